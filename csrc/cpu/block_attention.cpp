@@ -1,0 +1,195 @@
+// CPU block_attention: non-causal attention of a block of Bq queries per sequence over
+// that sequence's cached context rows followed by its own Bq block rows.
+//
+// GQA packing: the Bq x group query rows that share one KV head form one M-tile, so
+// every K/V row is read once per KV head. Work items are (sequence, KV head, split):
+// long contexts are split across threads, each split keeping an fp32 partial output
+// with its running max and sum (flash-decoding), merged in a second pass.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cpu_utils.h"
+#include "dflash/checks.h"
+
+namespace dflash::cpu {
+namespace {
+
+constexpr int64_t kKeyTile = 128;   // keys per S = Q·K^T tile
+constexpr int64_t kMinSplitKeys = 512;  // do not split below this many keys per split
+
+// A contiguous run of key/value rows in memory (row stride `ld` elements).
+template <typename T>
+struct KeyRun {
+  const T* k;
+  const T* v;
+  int64_t rows, ld;
+};
+
+// Online softmax of one row of scores s[0, n): turns s into exp(s - m_new), updates the
+// running max m and sum l, and returns the factor by which the old output must be scaled.
+inline float online_softmax_row(float* s, int64_t n, float& m, float& l) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  const float m_new = std::max(m, mx);
+  const float alpha = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
+  const Vec shift(m_new);
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec p = (Vec::loadu(s + j) - shift).exp_u20();
+    p.store(s + j);
+    acc = acc + p;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m_new);
+    sum += s[j];
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
+template <typename T>
+void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const int64_t* offsets, const int64_t* lens, float scale, int64_t window,
+                          at::Tensor& out, const BlockAttentionDims& d) {
+  const int64_t Bq = d.Bq, D = d.D, Hkv = d.Hkv, group = d.Hq / d.Hkv, M = Bq * group;
+  const int64_t ld = Hkv * D;  // row stride of every K/V source
+
+  // Context rows [ctx_begin[b], ctx_begin[b] + ctx_len[b]) of the cache, after the window.
+  std::vector<int64_t> ctx_begin(d.Bsz), ctx_len(d.Bsz);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < d.Bsz; ++b) {
+    ctx_len[b] = window > 0 ? std::min(lens[b], window) : lens[b];
+    ctx_begin[b] = offsets[b] + lens[b] - ctx_len[b];
+    max_keys = std::max(max_keys, ctx_len[b] + Bq);
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t items = d.Bsz * Hkv;
+  const int64_t splits = std::max<int64_t>(
+      1, std::min((2 * threads + items - 1) / items, max_keys / kMinSplitKeys));
+
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // Partial results when split: o [items*splits, M, D], running max / sum [items*splits, M].
+  std::vector<float> part_o, part_m, part_l;
+  if (splits > 1) {
+    part_o.resize(items * splits * M * D);
+    part_m.resize(items * splits * M);
+    part_l.resize(items * splits * M);
+  }
+
+  at::parallel_for(0, items * splits, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> qf(M * D), o(M * D), s(M * kKeyTile), m(M), l(M), k_buf, v_buf;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t split = w % splits, item = w / splits, b = item / Hkv, h = item % Hkv;
+      const int64_t keys = ctx_len[b] + Bq;
+      const int64_t per_split = (keys + splits - 1) / splits;
+      const int64_t key0 = std::min(keys, split * per_split), key1 = std::min(keys, key0 + per_split);
+
+      // Query rows (i, r) -> m = i * group + r, pre-scaled.
+      for (int64_t i = 0; i < Bq; ++i)
+        for (int64_t r = 0; r < group; ++r) {
+          float* dst = qf.data() + (i * group + r) * D;
+          to_float(qp + ((b * Bq + i) * d.Hq + h * group + r) * D, dst, D);
+          scale_row(dst, scale, D);
+        }
+      std::fill(o.begin(), o.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+
+      // The virtual key sequence is [context rows ; block rows]; walk its slice [key0, key1).
+      const KeyRun<T> runs[2] = {
+          {k_cache.data_ptr<T>() + ctx_begin[b] * ld + h * D,
+           v_cache.data_ptr<T>() + ctx_begin[b] * ld + h * D, ctx_len[b], ld},
+          {k_block.data_ptr<T>() + b * Bq * ld + h * D, v_block.data_ptr<T>() + b * Bq * ld + h * D,
+           Bq, ld}};
+      int64_t run_start = 0;
+      for (const KeyRun<T>& run : runs) {
+        const int64_t lo = std::max(key0, run_start) - run_start;
+        const int64_t hi = std::min(key1, run_start + run.rows) - run_start;
+        run_start += run.rows;
+        for (int64_t j0 = lo; j0 < hi; j0 += kKeyTile) {
+          const int64_t n = std::min(kKeyTile, hi - j0);
+          const F32Rows kt = rows_as_f32(run.k + j0 * run.ld, n, D, run.ld, k_buf);
+          gemm_nt(M, n, D, qf.data(), D, kt.ptr, kt.ld, 0.f, s.data(), kKeyTile);
+          for (int64_t r = 0; r < M; ++r) {
+            const float alpha = online_softmax_row(s.data() + r * kKeyTile, n, m[r], l[r]);
+            if (alpha != 1.f) scale_row(o.data() + r * D, alpha, D);
+          }
+          const F32Rows vt = rows_as_f32(run.v + j0 * run.ld, n, D, run.ld, v_buf);
+          gemm_nn(M, D, n, s.data(), kKeyTile, vt.ptr, vt.ld, 1.f, o.data(), D);
+        }
+      }
+
+      if (splits == 1) {
+        for (int64_t i = 0; i < Bq; ++i)
+          for (int64_t r = 0; r < group; ++r) {
+            const int64_t row = i * group + r;
+            from_float(o.data() + row * D, op + ((b * Bq + i) * d.Hq + h * group + r) * D, D,
+                       1.f / l[row]);
+          }
+      } else {
+        std::copy(o.begin(), o.end(), part_o.begin() + w * M * D);
+        std::copy(m.begin(), m.end(), part_m.begin() + w * M);
+        std::copy(l.begin(), l.end(), part_l.begin() + w * M);
+      }
+    }
+  });
+  if (splits == 1) return;
+
+  // Merge the splits of each (sequence, KV head): weights exp(m_s - max_s m_s).
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(D);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      for (int64_t row = 0; row < M; ++row) {
+        float m_max = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < splits; ++sp) m_max = std::max(m_max, part_m[(item * splits + sp) * M + row]);
+        float l_sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t w = item * splits + sp;
+          if (part_l[w * M + row] == 0.f) continue;  // an empty split
+          const float f = std::exp(part_m[w * M + row] - m_max);
+          l_sum += f * part_l[w * M + row];
+          const float* po = part_o.data() + (w * M + row) * D;
+          at::vec::map2<float>([f](Vec a, Vec p) { return at::vec::fmadd(Vec(f), p, a); },
+                               acc.data(), acc.data(), po, D);
+        }
+        const int64_t i = row / group, r = row % group;
+        from_float(acc.data(), op + ((b * Bq + i) * d.Hq + h * group + r) * D, D, 1.f / l_sum);
+      }
+    }
+  });
+}
+
+at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
+                               const at::Tensor& v_block, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& cache_offsets,
+                               const at::Tensor& cache_lens, double scale, int64_t window) {
+  const BlockAttentionDims d = check_block_attention(q, k_block, v_block, k_cache, v_cache,
+                                                     cache_offsets, cache_lens, scale, window);
+  check_cache_ranges(cache_offsets, cache_lens, d.S);
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (out.numel() == 0) return out;
+  const at::Tensor off = cache_offsets.contiguous(), len = cache_lens.contiguous();
+  DFLASH_DISPATCH_FLOATING(q.scalar_type(), "block_attention", [&] {
+    block_attention_impl<scalar_t>(qc, k_block.contiguous(), v_block.contiguous(), k_cache, v_cache,
+                                   off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
+                                   static_cast<float>(scale), window, out, d);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dflash_ext, CPU, m) { m.impl("block_attention", &block_attention_cpu); }
+
+}  // namespace dflash::cpu

@@ -1,0 +1,66 @@
+// fp32 GEMM for the CPU kernels: the BLAS that libtorch_cpu carries (sgemm_), called
+// single-threaded from inside at::parallel_for tiles; at::mm when no BLAS is linked.
+#include "cpu_utils.h"
+
+#include <atomic>
+#include <climits>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc) __attribute__((weak));
+
+namespace dflash::cpu {
+namespace {
+
+std::atomic<bool> force_aten{false};
+
+int as_int(int64_t v) {
+  TORCH_CHECK(v >= 0 && v <= INT_MAX, "GEMM dimension ", v, " does not fit the BLAS int");
+  return static_cast<int>(v);
+}
+
+// Column-major BLAS call: C^T[N, M] = op(B) · op(A), which is row-major C = A · op(B).
+void gemm(bool b_transposed, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // C = beta * C; BLAS would reject the zero leading dimensions
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < N; ++c) C[r * ldc + c] = beta == 0.f ? 0.f : beta * C[r * ldc + c];
+    return;
+  }
+  if (sgemm_ != nullptr && !force_aten.load(std::memory_order_relaxed)) {
+    const int m = as_int(N), n = as_int(M), k = as_int(K);
+    const int la = as_int(ldb), lb = as_int(lda), lc = as_int(ldc);
+    const float alpha = 1.f;
+    sgemm_(b_transposed ? "T" : "N", "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+    return;
+  }
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor a = at::from_blob(const_cast<float*>(A), {M, K}, {lda, 1}, opts);
+  const at::Tensor b = b_transposed
+                           ? at::from_blob(const_cast<float*>(B), {N, K}, {ldb, 1}, opts).t()
+                           : at::from_blob(const_cast<float*>(B), {K, N}, {ldb, 1}, opts);
+  at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, opts);
+  if (beta == 0.f) {
+    at::mm_out(c, a, b);
+  } else {
+    c.mul_(beta).add_(at::mm(a, b));
+  }
+}
+
+}  // namespace
+
+bool set_blas_fallback(bool enable) { return force_aten.exchange(enable); }
+
+void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) {
+  gemm(true, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) {
+  gemm(false, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+}  // namespace dflash::cpu

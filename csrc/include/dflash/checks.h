@@ -1,0 +1,31 @@
+// Input checks shared by every device implementation of the dflash_ext ops.
+// Shape, dtype and device checks read only metadata; the index-range checks read
+// values and therefore take tensors that live on the host.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace dflash {
+
+struct ProjectFeaturesDims { int64_t k, T, H, H_out; };
+struct InjectDims { int64_t T, H, N, Hkv, D, S, P; };
+struct BlockAttentionDims { int64_t Bsz, Bq, Hq, Hkv, D, S; };
+
+ProjectFeaturesDims check_project_features(at::TensorList features, const at::Tensor& fc_weight,
+                                           const at::Tensor& norm_weight, double eps);
+InjectDims check_inject_context_kv(const at::Tensor& ctx, const at::Tensor& k_weight,
+                                   const at::Tensor& v_weight, const at::Tensor& k_norm_weight,
+                                   const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& positions, const at::Tensor& slots,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache, double eps);
+BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& k_block,
+                                         const at::Tensor& v_block, const at::Tensor& k_cache,
+                                         const at::Tensor& v_cache, const at::Tensor& cache_offsets,
+                                         const at::Tensor& cache_lens, double scale, int64_t window);
+
+// Value checks (host tensors): positions in [0, P), slots in [-1, S) and unique.
+void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu,
+                          int64_t P, int64_t S);
+// Value checks (host tensors): offsets >= 0, lens >= 0, offset + len <= S.
+void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S);
+
+}  // namespace dflash

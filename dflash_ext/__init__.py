@@ -1,0 +1,16 @@
+"""dflash_ext: fused PyTorch ops for DFlash block-diffusion speculative decoding.
+
+Importing the package loads the compiled extension, which registers the ops under
+``torch.ops.dflash_ext``; :mod:`dflash_ext.ops` is the public API and
+:mod:`dflash_ext.reference` the plain-PyTorch specification of every op.
+"""
+from ._cpu_check import require_cpu_features
+
+require_cpu_features()
+
+from . import _C  # noqa: E402  (registers torch.ops.dflash_ext.*)
+from . import ops, reference  # noqa: E402
+from .ops import block_attention, inject_context_kv, project_features  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["ops", "reference", "project_features", "inject_context_kv", "block_attention"]

@@ -1,0 +1,66 @@
+"""The public op API of dflash_ext (see README for the full contract).
+
+Each function calls the compiled op ``torch.ops.dflash_ext.<name>``; the fake (meta)
+kernels registered here give output shapes to ``torch.compile`` and FakeTensor
+tracing. Input checks live in the compiled op (csrc/ops.cpp) and name the argument.
+"""
+from typing import Sequence
+
+import torch
+
+__all__ = ["project_features", "inject_context_kv", "block_attention"]
+
+_ops = torch.ops.dflash_ext
+
+
+def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
+                     norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``rms_norm(cat(features, -1) @ fc_weight.T, eps) * norm_weight`` without the concat.
+
+    features: k tensors ``[T, H]`` (row-strided views allowed); fc_weight ``[H_out, k*H]``;
+    norm_weight ``[H_out]``. Returns ``[T, H_out]`` in the input dtype (fp32 accumulation).
+    """
+    return _ops.project_features(list(features), fc_weight, norm_weight, float(eps))
+
+
+def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
+                      k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, eps: float = 1e-6) -> None:
+    """Write the context K/V of every drafter layer into the caches, in place.
+
+    For each layer i and token t with ``slots[t] >= 0``:
+    ``k_cache[i, slots[t]] = RoPE(rms_norm((ctx[t] @ k_weight[i].T).view(Hkv, D)) * k_norm_weight[i])``
+    at ``positions[t]`` and ``v_cache[i, slots[t]] = (ctx[t] @ v_weight[i].T).view(Hkv, D)``.
+    """
+    _ops.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
+                           k_cache, v_cache, float(eps))
+
+
+def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, cache_offsets: torch.Tensor,
+                    cache_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Non-causal attention of each sequence's Bq block queries over its cached context
+    rows ``cache_offsets[b] .. cache_offsets[b] + cache_lens[b] - 1`` (the last ``window``
+    of them when ``window > 0``) followed by its own Bq block rows. GQA: query head h
+    uses KV head ``h // (Hq // Hkv)``. Returns ``[Bsz, Bq, Hq, D]``."""
+    return _ops.block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens,
+                                float(scale), int(window))
+
+
+@torch.library.register_fake("dflash_ext::project_features")
+def _project_features_fake(features, fc_weight, norm_weight, eps):
+    torch._check(len(features) > 0, lambda: "features must hold at least one tensor (k >= 1)")
+    return features[0].new_empty((features[0].shape[0], fc_weight.shape[0]))
+
+
+@torch.library.register_fake("dflash_ext::inject_context_kv")
+def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
+                            k_cache, v_cache, eps):
+    return None
+
+
+@torch.library.register_fake("dflash_ext::block_attention")
+def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
+                          window=0):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
