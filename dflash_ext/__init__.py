@@ -4,6 +4,8 @@ Importing the package loads the compiled extension, which registers the ops unde
 ``torch.ops.dflash_ext``; :mod:`dflash_ext.ops` is the public API and
 :mod:`dflash_ext.reference` the plain-PyTorch specification of every op.
 """
+import torch  # noqa: F401  (loads libtorch before the extension that links to it)
+
 from ._cpu_check import require_cpu_features
 
 require_cpu_features()

@@ -1,0 +1,50 @@
+"""The CMake build reads its sources and flags from setup.py, and the CPU feature
+check refuses CPUs the kernels were not compiled for."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dflash_ext._cpu_check import require_cpu_features
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("dflash_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # setup() only runs under __main__
+    return module
+
+
+def test_build_description_lists_every_kernel_source():
+    d = _setup_module().build_description()
+    for pattern_dir in ("csrc", os.path.join("csrc", "cpu")):
+        for name in os.listdir(os.path.join(ROOT, pattern_dir)):
+            if name.endswith(".cpp"):
+                assert os.path.join(pattern_dir, name) in d["sources"]
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+def test_cmake_configure_uses_setup_py_description(tmp_path):
+    subprocess.run(["cmake", "-S", ROOT, "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}"],
+                   check=True, capture_output=True)
+    generated = (tmp_path / "dflash_build.cmake").read_text()
+    d = _setup_module().build_description()
+    sources = " ".join(f'"{os.path.join(ROOT, s)}"' for s in d["sources"])
+    assert f"set(DFLASH_SOURCES {sources})" in generated
+    flags = " ".join(f'"{f}"' for f in d["cxx_flags"])
+    assert f"set(DFLASH_CXX_FLAGS {flags})" in generated
+
+
+def test_cpu_without_avx2_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n")
+    with pytest.raises(ImportError, match="avx2"):
+        require_cpu_features(str(cpuinfo))
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma f16c\n")
+    require_cpu_features(str(cpuinfo))

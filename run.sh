@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One entry point that creates its own environment (./.venv), builds the extension
+# and runs a job:
+#   ./run.sh bench [bench_ops.py args]   the main job: fused ops vs eager PyTorch
+#   ./run.sh test  [pytest args]         the test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=${DFLASH_VENV:-.venv}
+PY="$VENV/bin/python"
+export MAX_JOBS=${MAX_JOBS:-2}
+[ -d /usr/lib/ccache ] && export PATH="/usr/lib/ccache:$PATH"  # reuse object files across builds
+
+if [ ! -x "$PY" ]; then
+  echo "[run.sh] creating $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+stamp="$VENV/.requirements-$(sha1sum requirements.txt | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  echo "[run.sh] installing requirements into $VENV" >&2
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q -r requirements.txt
+  # CUTLASS/CuTe headers for the CUDA kernels: headers only, no dependencies.
+  "$PY" -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
+  touch "$stamp"
+fi
+echo "[run.sh] building dflash_ext" >&2
+"$PY" -m pip install -q --no-build-isolation --no-deps -e .
+
+job=${1:-}
+shift || true
+case "$job" in
+  bench) exec "$PY" bench/bench_ops.py "$@" ;;
+  test) exec "$PY" -m pytest python_tests "$@" ;;
+  *) echo "usage: ./run.sh {bench|test} [args]" >&2; exit 2 ;;
+esac
