@@ -36,7 +36,7 @@ def build_description():
     use_cuda = _nvcc() is not None
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + (rel("csrc/cuda/*.cu") if use_cuda else [])
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]  # at::parallel_for is inlined: it needs OpenMP here
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas"]  # at::parallel_for is inlined: it needs OpenMP here
     if platform.machine() in ("x86_64", "AMD64"):
         # The CPU kernels use ATen's AVX2 vector types (x86-64-v3; checked at import).
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
@@ -46,7 +46,7 @@ def build_description():
         "sources": sources,
         "include_dirs": [os.path.join(ROOT, "csrc", "include")],
         "cxx_flags": cxx,
-        "nvcc_flags": ["-O3", "-std=c++17"],
+        "nvcc_flags": ["-O3", "-std=c++20"],
         "link_flags": ["-fopenmp"],
     }
 

@@ -48,19 +48,36 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
                                 float(scale), int(window))
 
 
+def _check_one_device(**tensors):
+    """Fake kernels also run when only some inputs are on the meta device; the compiled
+    checks never see that case, so the device rule is enforced here too."""
+    (first_name, first), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != first.device:
+            raise RuntimeError(f"{name} is on {t.device} but {first_name} is on {first.device}: "
+                               "all tensors must be on one device")
+
+
 @torch.library.register_fake("dflash_ext::project_features")
 def _project_features_fake(features, fc_weight, norm_weight, eps):
     torch._check(len(features) > 0, lambda: "features must hold at least one tensor (k >= 1)")
+    _check_one_device(**{f"features[{j}]": f for j, f in enumerate(features)},
+                      fc_weight=fc_weight, norm_weight=norm_weight)
     return features[0].new_empty((features[0].shape[0], fc_weight.shape[0]))
 
 
 @torch.library.register_fake("dflash_ext::inject_context_kv")
 def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
                             k_cache, v_cache, eps):
+    _check_one_device(ctx=ctx, k_weight=k_weight, v_weight=v_weight, k_norm_weight=k_norm_weight,
+                      cos=cos, sin=sin, positions=positions, slots=slots, k_cache=k_cache,
+                      v_cache=v_cache)
     return None
 
 
 @torch.library.register_fake("dflash_ext::block_attention")
 def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
                           window=0):
+    _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
+                      cache_offsets=cache_offsets, cache_lens=cache_lens)
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -17,7 +17,7 @@
 namespace dflash::cpu {
 namespace {
 
-constexpr int64_t kKeyTile = 128;   // keys per S = Q·K^T tile
+constexpr int64_t kKeyTile = 256;   // keys per S = Q·K^T tile
 constexpr int64_t kMinSplitKeys = 512;  // do not split below this many keys per split
 
 // A contiguous run of key/value rows in memory (row stride `ld` elements).

@@ -61,6 +61,13 @@ inline void from_float(const float* src, T* dst, int64_t n, float scale = 1.f) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
 }
 
+// `t` ([rows, cols]) itself when its rows can be read as BLAS rows (unit column stride,
+// non-overlapping rows), else a contiguous copy.
+inline at::Tensor with_readable_rows(const at::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) >= t.size(1));
+  return ok ? t : t.contiguous();
+}
+
 // A view of `rows` rows of `cols` floats: the source itself when it is fp32,
 // otherwise a converted copy in `buf`.
 struct F32Rows {
@@ -77,6 +84,58 @@ inline F32Rows rows_as_f32(const T* src, int64_t rows, int64_t cols, int64_t ld,
     if (static_cast<int64_t>(buf.size()) < rows * cols) buf.resize(rows * cols);
     for (int64_t r = 0; r < rows; ++r) to_float(src + r * ld, buf.data() + r * cols, cols);
     return {buf.data(), cols};
+  }
+}
+
+// C[m, n] = sum_k A[m, k] * float(B[n, k]) + beta * C[m, n] for a few rows of A: one
+// pass over B with the conversion fused into the dot products (weight streaming).
+template <int64_t M, typename T>
+void skinny_gemm_nt(int64_t N, int64_t K, const float* A, int64_t lda, const T* B, int64_t ldb,
+                    float beta, float* C, int64_t ldc) {
+  using VecT = at::vec::Vectorized<T>;
+  constexpr int64_t step = VecT::size();  // = 2 float vectors
+  for (int64_t n = 0; n < N; ++n) {
+    const T* b = B + n * ldb;
+    Vec acc[M][2];
+    for (int64_t m = 0; m < M; ++m) acc[m][0] = acc[m][1] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + step <= K; k += step) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(b + k));
+      for (int64_t m = 0; m < M; ++m) {
+        acc[m][0] = at::vec::fmadd(Vec::loadu(A + m * lda + k), lo, acc[m][0]);
+        acc[m][1] = at::vec::fmadd(Vec::loadu(A + m * lda + k + Vec::size()), hi, acc[m][1]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      Vec v = acc[m][0] + acc[m][1];
+      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, v);
+      for (int64_t kk = k; kk < K; ++kk) sum += A[m * lda + kk] * static_cast<float>(b[kk]);
+      float& c = C[m * ldc + n];
+      c = beta == 0.f ? sum : sum + beta * c;
+    }
+  }
+}
+
+// C[M, N] = A[M, K] · float(B[N, K])^T + beta · C for weights B of any op dtype.
+// fp32 weights go to BLAS in place; reduced-precision weights are streamed once by
+// skinny_gemm_nt when A has few rows, else converted into `buf` for BLAS.
+template <typename T>
+void gemm_nt_weights(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const T* B,
+                     int64_t ldb, float beta, float* C, int64_t ldc, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    gemm_nt(M, N, K, A, lda, B, ldb, beta, C, ldc);
+  } else {
+    switch (M) {
+      case 0: return;
+      case 1: return skinny_gemm_nt<1>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 2: return skinny_gemm_nt<2>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 3: return skinny_gemm_nt<3>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 4: return skinny_gemm_nt<4>(N, K, A, lda, B, ldb, beta, C, ldc);
+      default: {
+        const F32Rows b = rows_as_f32(B, N, K, ldb, buf);
+        gemm_nt(M, N, K, A, lda, b.ptr, b.ld, beta, C, ldc);
+      }
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 #include "cpu_utils.h"
 
 #include <atomic>
+#include <algorithm>
 #include <climits>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
@@ -29,6 +30,11 @@ void gemm(bool b_transposed, int64_t M, int64_t N, int64_t K, const float* A, in
       for (int64_t c = 0; c < N; ++c) C[r * ldc + c] = beta == 0.f ? 0.f : beta * C[r * ldc + c];
     return;
   }
+  // A single row (column) has no leading dimension to honour; BLAS still wants one
+  // of at least its width.
+  if (M == 1) lda = std::max(lda, K);
+  if (b_transposed ? N == 1 : K == 1) ldb = std::max(ldb, b_transposed ? K : N);
+  if (M == 1) ldc = std::max(ldc, N);
   if (sgemm_ != nullptr && !force_aten.load(std::memory_order_relaxed)) {
     const int m = as_int(N), n = as_int(M), k = as_int(K);
     const int la = as_int(ldb), lb = as_int(lda), lc = as_int(ldc);

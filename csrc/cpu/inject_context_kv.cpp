@@ -58,8 +58,8 @@ void inject_impl(const at::Tensor& ctx, const at::Tensor& k_weight, const at::Te
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t half = b / blocks_per_half, n0 = (b % blocks_per_half) * block;
       const int64_t rows = std::min(block, NK - n0);
-      const F32Rows wt = rows_as_f32(weights[half] + n0 * H, rows, H, H, w_buf);
-      gemm_nt(Tv, rows, H, x.ptr, x.ld, wt.ptr, wt.ld, 0.f, proj.data() + half * NK + n0, 2 * NK);
+      gemm_nt_weights(Tv, rows, H, x.ptr, x.ld, weights[half] + n0 * H, H, 0.f,
+                      proj.data() + half * NK + n0, 2 * NK, w_buf);
     }
   });
 
@@ -108,7 +108,7 @@ void inject_context_kv_cpu(const at::Tensor& ctx, const at::Tensor& k_weight,
     if (slot_ptr[t] >= 0) tokens.push_back(t);
   if (tokens.empty() || d.N == 0 || d.Hkv == 0 || d.D == 0) return;
   DFLASH_DISPATCH_FLOATING(ctx.scalar_type(), "inject_context_kv", [&] {
-    inject_impl<scalar_t>(ctx.contiguous(), k_weight.contiguous(), v_weight.contiguous(),
+    inject_impl<scalar_t>(with_readable_rows(ctx), k_weight.contiguous(), v_weight.contiguous(),
                           k_norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), tokens,
                           pos.data_ptr<int64_t>(), slot_ptr, k_cache, v_cache,
                           static_cast<float>(eps), d);

@@ -50,8 +50,8 @@ void project_features_impl(const std::vector<at::Tensor>& features, const at::Te
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * block, rows = std::min(block, H_out - n0);
       for (int64_t j = 0; j < k; ++j) {
-        const F32Rows wt = rows_as_f32(w + n0 * ldw + j * H, rows, H, ldw, w_buf);
-        gemm_nt(T_, rows, H, x[j].ptr, x[j].ld, wt.ptr, wt.ld, j == 0 ? 0.f : 1.f, c + n0, H_out);
+        gemm_nt_weights(T_, rows, H, x[j].ptr, x[j].ld, w + n0 * ldw + j * H, ldw,
+                        j == 0 ? 0.f : 1.f, c + n0, H_out, w_buf);
       }
     }
   });
@@ -73,7 +73,7 @@ at::Tensor project_features_cpu(at::TensorList features, const at::Tensor& fc_we
                                 const at::Tensor& norm_weight, double eps) {
   const ProjectFeaturesDims d = check_project_features(features, fc_weight, norm_weight, eps);
   std::vector<at::Tensor> feats;
-  for (const auto& f : features) feats.push_back(f.stride(1) == 1 ? f : f.contiguous());
+  for (const auto& f : features) feats.push_back(with_readable_rows(f));
   const at::Tensor w = fc_weight.contiguous(), nw = norm_weight.contiguous();
   at::Tensor out = at::empty({d.T, d.H_out}, feats[0].options());
   if (d.T == 0 || d.H_out == 0) return out;
