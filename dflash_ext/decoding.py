@@ -116,8 +116,9 @@ class DFlashProposer:
         positions = torch.arange(position, position + n + 1, device=device)[None]
         embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused)
-        logits = self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
-        return logits.argmax(-1)
+        # All n + 1 rows through the LM head: MKL is ~2x slower for 15 rows than for 16.
+        logits = self.lm_head(hidden[0].to(self.lm_head.weight.dtype))
+        return logits[1:].argmax(-1)
 
 
 def _target_forward(target, ids: torch.Tensor, cache, hidden_states: bool = True):

@@ -96,18 +96,23 @@ void skinny_gemm_nt(int64_t N, int64_t K, const float* A, int64_t lda, const T* 
   constexpr int64_t step = VecT::size();  // = 2 float vectors
   for (int64_t n = 0; n < N; ++n) {
     const T* b = B + n * ldb;
-    Vec acc[M][2];
-    for (int64_t m = 0; m < M; ++m) acc[m][0] = acc[m][1] = Vec(0.f);
+    // Two accumulators per row while registers allow (few rows: latency-bound chains),
+    // one per row above 4 rows (M independent chains hide the FMA latency; no spills).
+    constexpr int64_t R = M <= 4 ? 2 : 1;
+    Vec acc[M][R];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = 0; r < R; ++r) acc[m][r] = Vec(0.f);
     int64_t k = 0;
     for (; k + step <= K; k += step) {
       auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(b + k));
       for (int64_t m = 0; m < M; ++m) {
         acc[m][0] = at::vec::fmadd(Vec::loadu(A + m * lda + k), lo, acc[m][0]);
-        acc[m][1] = at::vec::fmadd(Vec::loadu(A + m * lda + k + Vec::size()), hi, acc[m][1]);
+        acc[m][R - 1] = at::vec::fmadd(Vec::loadu(A + m * lda + k + Vec::size()), hi, acc[m][R - 1]);
       }
     }
     for (int64_t m = 0; m < M; ++m) {
-      Vec v = acc[m][0] + acc[m][1];
+      Vec v = acc[m][0];
+      if constexpr (R == 2) v = v + acc[m][1];
       float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, v);
       for (int64_t kk = k; kk < K; ++kk) sum += A[m * lda + kk] * static_cast<float>(b[kk]);
       float& c = C[m * ldc + n];
@@ -131,6 +136,10 @@ void gemm_nt_weights(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
       case 2: return skinny_gemm_nt<2>(N, K, A, lda, B, ldb, beta, C, ldc);
       case 3: return skinny_gemm_nt<3>(N, K, A, lda, B, ldb, beta, C, ldc);
       case 4: return skinny_gemm_nt<4>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 5: return skinny_gemm_nt<5>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 6: return skinny_gemm_nt<6>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 7: return skinny_gemm_nt<7>(N, K, A, lda, B, ldb, beta, C, ldc);
+      case 8: return skinny_gemm_nt<8>(N, K, A, lda, B, ldb, beta, C, ldc);
       default: {
         const F32Rows b = rows_as_f32(B, N, K, ldb, buf);
         gemm_nt(M, N, K, A, lda, b.ptr, b.ld, beta, C, ldc);
