@@ -7,6 +7,7 @@ the statistics. ``--baseline`` also runs the target alone for comparison.
 """
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -83,6 +84,46 @@ def cmd_generate(args):
             json.dump(report, f, indent=2)
 
 
+def cmd_gen_data(args):
+    from .drafter import default_target_layer_ids
+    from .models import load_target
+    from .prompts import load_prompts
+    from .training.data import compute_features, generate_responses
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_target(args.target)
+    layer_ids = args.layer_ids or default_target_layer_ids(model.config.num_hidden_layers, args.num_features)
+    prompts = load_prompts("sharegpt", args.n, offset=0)
+    n = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size)
+    compute_features(model, args.out, layer_ids)
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump({"target": args.target or "SmolLM2-135M-Instruct (embedded default)", "records": n,
+                   "target_layer_ids": layer_ids, "max_new_tokens": args.max_new_tokens,
+                   "prompts": "sharegpt first turns, records 0..%d" % (args.n - 1)}, f, indent=2)
+    print(f"[dflash_ext] {n} records with features in {args.out}", file=sys.stderr)
+
+
+def cmd_train(args):
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from .models import load_target
+    from .training.trainer import TrainConfig, train
+
+    torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # launched by torchrun
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    target, _ = load_target(args.target, device=args.device)
+    train(cfg, target, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if world > 1:
+        dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dflash_ext", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,13 +144,44 @@ def main(argv=None):
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", default=None, help="write the statistics to this JSON file")
+    d = sub.add_parser("gen-data", help="regenerate ShareGPT responses with the target + cache its features")
+    d.add_argument("--out", required=True)
+    d.add_argument("--target", default=None)
+    d.add_argument("--n", type=int, default=512, help="ShareGPT prompts to answer (from record 0)")
+    d.add_argument("--max-new-tokens", type=int, default=160)
+    d.add_argument("--max-prompt-tokens", type=int, default=256)
+    d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--num-features", type=int, default=5, help="k target layers (default rule)")
+    d.add_argument("--layer-ids", type=int, nargs="*", default=None)
+    d.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("train", help="train a DFlash drafter on a gen-data folder (torchrun for data parallel)")
+    t.add_argument("--data", required=True)
+    t.add_argument("--out", required=True, help="checkpoint folder (reference format); resumes if it has a trainer state")
+    t.add_argument("--target", default=None)
+    t.add_argument("--num-layers", type=int, default=None)
+    t.add_argument("--block-size", type=int, default=None)
+    t.add_argument("--anchors", type=int, default=None, help="anchors per sequence per epoch (paper 512)")
+    t.add_argument("--gamma", type=float, default=None)
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--epochs", type=int, default=None)
+    t.add_argument("--batch-size", type=int, default=None, help="global sequences per optimizer step")
+    t.add_argument("--max-len", type=int, default=None)
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--save-every", type=int, default=None)
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--autocast", default=None, choices=["auto", "bf16", "none"])
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     if args.command == "generate":
         if args.drafter is not None:
-            import os
             if not os.path.isdir(args.drafter):
                 p.error(f"--drafter {args.drafter}: no such directory")
         cmd_generate(args)
+    elif args.command == "gen-data":
+        cmd_gen_data(args)
+    elif args.command == "train":
+        cmd_train(args)
 
 
 if __name__ == "__main__":

@@ -367,6 +367,56 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
+    # ------------------------------------------------------------------ training forward
+    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
+                attn_mask=None) -> torch.Tensor:
+        """Differentiable forward of all blocks of one sequence at once (training).
+
+        features [S, k*H]: the target features of the sequence's S tokens (k layers
+        concatenated); block_embeds [nb, B, H]: target embeddings of [anchor token, MASK...];
+        anchors [nb]: block positions. Block a attends to the context rows at positions
+        < anchors[a] and to its own B rows (``recipe.block_mask``; `attn_mask` may be a
+        FlexAttention BlockMask of the same layout). Returns final-normed hidden [nb, B, H].
+        """
+        from .training.recipe import block_mask
+
+        c = self.config
+        S = features.shape[0]
+        nb, B, H = block_embeds.shape
+        D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        cos, sin = self.rope_tables(S + B)
+        ctx = self.hidden_norm(self.fc(features))
+        cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
+        pos = (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1)
+        cos_b, sin_b = cos[pos][:, None, :], sin[pos][:, None, :]
+        if attn_mask is None:
+            attn_mask = block_mask(anchors, S, B)
+        x = block_embeds.reshape(nb * B, H)
+        for layer in self.layers:
+            a = layer.self_attn
+            k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
+            v_ctx = a.v_proj(ctx).view(S, Hkv, D)
+            h = layer.input_layernorm(x)
+            q = reference.apply_rope(a.q_norm(a.q_proj(h).view(nb * B, Hq, D)), cos_b, sin_b)
+            k = reference.apply_rope(a.k_norm(a.k_proj(h).view(nb * B, Hkv, D)), cos_b, sin_b)
+            v = a.v_proj(h).view(nb * B, Hkv, D)
+            keys = torch.cat([k_ctx, k]).transpose(0, 1)[None]    # [1, Hkv, S + nb*B, D]
+            values = torch.cat([v_ctx, v]).transpose(0, 1)[None]
+            o = _masked_attention(q.transpose(0, 1)[None], keys, values, attn_mask, D ** -0.5)
+            x = x + a.o_proj(o[0].transpose(0, 1).reshape(nb * B, Hq * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x).view(nb, B, H)
+
+
+def _masked_attention(q, k, v, mask, scale):
+    """SDPA with a dense boolean mask, or FlexAttention with a BlockMask (CUDA)."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+
+
 def _rope_theta(config) -> float:
     theta = getattr(config, "rope_theta", None)
     if theta is None:

@@ -1,0 +1,131 @@
+"""Training data: ShareGPT first turns answered by the target itself, plus the target's
+hidden states of the selected layers for every token.
+
+Shard format (a folder):
+- ``responses-NNNNN.jsonl``: one record per line,
+  ``{"id": int, "input_ids": [prompt + response token ids], "response_start": int}``;
+  tokens at positions >= response_start are the target's own (greedy) response.
+- ``features-NNNNN.safetensors``: tensor ``"<id>"`` of shape ``[S, k*H]`` (bfloat16): the
+  concatenated hidden states of the k target layers (layer l = HF ``hidden_states[l+1]``)
+  for each of the S tokens of that record, in ``target_layer_ids`` order. That costs
+  ``2*k*H`` bytes per token (5.6 KiB for SmolLM2-135M with k = 5).
+- ``meta.json``: the target, layer ids, generation settings.
+Generation is resumable: records already in the folder are skipped.
+"""
+import glob
+import json
+import os
+import sys
+from typing import Dict, Iterator, List, Sequence
+
+import torch
+
+__all__ = ["generate_responses", "compute_features", "load_records", "FeatureStore"]
+
+
+def _records_in(folder: str) -> List[dict]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "responses-*.jsonl"))):
+        with open(path) as f:
+            out.extend(json.loads(line) for line in f if line.strip())
+    return out
+
+
+def load_records(folder: str) -> List[dict]:
+    return sorted(_records_in(folder), key=lambda r: r["id"])
+
+
+@torch.no_grad()
+def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, max_new_tokens: int = 192,
+                       max_prompt_tokens: int = 256, batch_size: int = 16, shard_size: int = 256) -> int:
+    """Greedy responses of the target to `prompts` (chat template applied), written to
+    `out_dir` in shards; returns the number of records in the folder."""
+    from tqdm import tqdm
+
+    os.makedirs(out_dir, exist_ok=True)
+    done = {r["id"] for r in _records_in(out_dir)}
+    todo = []
+    for i, p in enumerate(prompts):
+        if i in done:
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            todo.append((i, ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    shard = len(glob.glob(os.path.join(out_dir, "responses-*.jsonl")))
+    todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch: less padding
+    bar = tqdm(total=len(todo), desc="generating responses", file=sys.stderr)
+    written_in_shard = shard_size
+    f = None
+    for b0 in range(0, len(todo), batch_size):
+        batch = todo[b0:b0 + batch_size]
+        width = max(len(ids) for _, ids in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for r, (_, ids) in enumerate(batch):  # left padding
+            input_ids[r, width - len(ids):] = torch.tensor(ids)
+            mask[r, width - len(ids):] = 1
+        out = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              do_sample=False, pad_token_id=pad)
+        for r, (i, ids) in enumerate(batch):
+            resp = out[r, width:].tolist()
+            if tokenizer.eos_token_id in resp:
+                resp = resp[:resp.index(tokenizer.eos_token_id) + 1]
+            else:
+                resp = [t for t in resp if t != pad]
+            if written_in_shard >= shard_size:
+                if f:
+                    f.close()
+                f = open(os.path.join(out_dir, f"responses-{shard:05d}.jsonl"), "a")
+                shard, written_in_shard = shard + 1, 0
+            f.write(json.dumps({"id": i, "input_ids": ids + resp, "response_start": len(ids)}) + "\n")
+            f.flush()
+            written_in_shard += 1
+        bar.update(len(batch))
+    if f:
+        f.close()
+    bar.close()
+    return len(_records_in(out_dir))
+
+
+@torch.no_grad()
+def compute_features(target, out_dir: str, layer_ids: Sequence[int], records_per_shard: int = 128) -> None:
+    """Hidden states of `layer_ids` for every record without features yet (resumable)."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    have = set()
+    for path in glob.glob(os.path.join(out_dir, "features-*.safetensors")):
+        have.update(load_file(path).keys())
+    todo = [r for r in load_records(out_dir) if str(r["id"]) not in have]
+    shard = len(glob.glob(os.path.join(out_dir, "features-*.safetensors")))
+    pending: Dict[str, torch.Tensor] = {}
+    for rec in tqdm(todo, desc="target features", file=sys.stderr):
+        ids = torch.tensor([rec["input_ids"]])
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        pending[str(rec["id"])] = torch.cat([hs[l + 1][0] for l in layer_ids], -1).to(torch.bfloat16).contiguous()
+        if len(pending) == records_per_shard or rec is todo[-1]:
+            save_file(pending, os.path.join(out_dir, f"features-{shard:05d}.safetensors"))
+            shard, pending = shard + 1, {}
+
+
+class FeatureStore:
+    """Lazy access to the cached features of a data folder by record id."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        self._index = {}
+        self._handles = []
+        for path in sorted(glob.glob(os.path.join(folder, "features-*.safetensors"))):
+            h = safe_open(path, framework="pt")
+            self._handles.append(h)
+            for key in h.keys():
+                self._index[int(key)] = h
+
+    def __contains__(self, rec_id: int) -> bool:
+        return rec_id in self._index
+
+    def get(self, rec_id: int) -> torch.Tensor:
+        return self._index[rec_id].get_tensor(str(rec_id))

@@ -1,0 +1,150 @@
+"""The training recipe: mask, labels, weights, anchors, frozen parts, agreement of the
+training forward with the inference draft step, overfitting end to end, and DDP."""
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from dflash_ext.decoding import spec_generate, target_generate
+from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.training.data import compute_features
+from dflash_ext.training.recipe import block_labels, block_mask, block_mask_mod, loss_weights, sample_anchors
+from dflash_ext.training.trainer import FrozenTargetParts, TrainConfig, sequence_loss, train
+from decoding_helpers import tiny_target, tiny_target_config
+
+
+def test_block_mask_matches_hand_built_mask():
+    S, B = 6, 2
+    anchors = torch.tensor([2, 4])
+    m = block_mask(anchors, S, B)
+    # rows: block 0 slots (anchor 2), block 1 slots (anchor 4); cols: ctx 0..5, block rows 0..3
+    expected = torch.tensor([
+        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(m, expected)
+    mod = block_mask_mod(anchors, S, B)
+    q, kv = torch.meshgrid(torch.arange(4), torch.arange(10), indexing="ij")
+    assert torch.equal(mod(0, 0, q, kv), expected)
+
+
+def test_labels_line_up_with_slots():
+    ids = torch.arange(100, 120)
+    labels = block_labels(ids, torch.tensor([3, 10]), 4)
+    assert labels.tolist() == [[104, 105, 106], [111, 112, 113]]  # slot j <-> token anchor + j
+
+
+def test_loss_weights():
+    w = loss_weights(16, 7.0)
+    assert w.shape == (15,) and w[0] == 1.0
+    torch.testing.assert_close(w[6], torch.tensor(torch.e ** (-6 / 7)))
+
+
+def test_anchors_stay_inside_the_response():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        S, start, B = int(torch.randint(20, 60, ())), int(torch.randint(1, 15, ())), 4
+        a = sample_anchors(start, S, B, 8, g)
+        assert a.numel() == min(8, S - B - start + 1)
+        assert (a >= start).all() and (a <= S - B).all() and a.unique().numel() == a.numel()
+    assert sample_anchors(10, 12, 4, 8).numel() == 0
+
+
+def test_training_forward_equals_the_inference_draft_step():
+    torch.manual_seed(0)
+    d = DFlashDrafter.from_target(tiny_target_config(), num_layers=2, block_size=4)
+    c, S = d.config, 20
+    feats = torch.randn(S, len(c.target_layer_ids) * c.hidden_size)
+    anchors, emb = torch.tensor([3, 7, 12, 16]), torch.randn(4, 4, c.hidden_size)
+    hidden = d(feats, emb, anchors)
+    for a, p in enumerate(anchors.tolist()):
+        cache = d.new_cache(1, 64)
+        d.add_context(cache, 0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
+        torch.testing.assert_close(d.draft_hidden(cache, emb[a:a + 1], torch.arange(p, p + 4)[None])[0],
+                                   hidden[a], rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
+    target = tiny_target()
+    frozen = FrozenTargetParts(target)
+    d = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    ids = torch.randint(0, 128, (30,))
+    feats = torch.randn(30, len(d.config.target_layer_ids) * d.config.hidden_size)
+    loss, _ = sequence_loss(d, frozen, ids, feats, torch.tensor([5, 12, 20]), 4, 4.0)
+    loss.backward()
+    assert all(p.grad is None for p in frozen.parameters())
+    assert all(p.grad is not None for p in d.parameters())
+    d.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+    names = load_file(str(tmp_path / "model.safetensors")).keys()
+    assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def _tiny_corpus(target, folder, n=6, prompt_len=6, new_tokens=40, layer_ids=(1, 3, 4)):
+    os.makedirs(folder, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    with open(os.path.join(folder, "responses-00000.jsonl"), "w") as f:
+        for i, p in enumerate(prompts):
+            resp = target_generate(target, p, new_tokens).tokens
+            f.write(json.dumps({"id": i, "input_ids": p + resp, "response_start": len(p)}) + "\n")
+    compute_features(target, folder, list(layer_ids))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump({"target_layer_ids": list(layer_ids)}, f)
+    return prompts
+
+
+def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
+    torch.manual_seed(0)
+    target = tiny_target()
+    prompts = _tiny_corpus(target, str(tmp_path / "data"))
+    cfg = TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "ckpt"), num_layers=2, block_size=4,
+                      anchors=64, lr=3e-3, epochs=150, batch_size=2, warmup=0.02, save_every=10 ** 9,
+                      log_every=10 ** 9)
+    drafter = train(cfg, target, log=lambda m: None)
+    drafter.eval()
+    loaded = DFlashDrafter.from_pretrained(cfg.out)  # the saved checkpoint is what decoding uses
+    taus = []
+    for p in prompts:
+        res = spec_generate(target, loaded, p, 40)
+        assert res.tokens == target_generate(target, p, 40).tokens
+        taus.append(res.tau)
+    assert sum(taus) / len(taus) > 3.0, taus  # B = 4: close to whole blocks
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, data, out):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    target = tiny_target()
+    cfg = TrainConfig(data=data, out=out, num_layers=1, block_size=4, anchors=8, epochs=1, batch_size=4,
+                      max_steps=3, save_every=10 ** 9, log_every=10 ** 9)
+    train(cfg, target, log=lambda m: None)
+    dist.destroy_process_group()
+
+
+def test_two_gloo_processes_match_one_process(tmp_path):
+    import torch.multiprocessing as mp
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=8, new_tokens=20)
+    cfg = TrainConfig(data=data, out=str(tmp_path / "one"), num_layers=1, block_size=4, anchors=8, epochs=1,
+                      batch_size=4, max_steps=3, save_every=10 ** 9, log_every=10 ** 9)
+    one = train(cfg, target, log=lambda m: None)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), data, str(tmp_path / "two")), nprocs=2, join=True)
+    two = DFlashDrafter.from_pretrained(str(tmp_path / "two"))
+    for (n, p1), p2 in zip(one.state_dict().items(), two.state_dict().values()):
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    # and training moved the weights at all
+    fresh = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3, 4])
+    assert not torch.equal(fresh.fc.weight, two.fc.weight)
