@@ -40,6 +40,11 @@ def _print_stats(name, res):
               f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
 
 
+# The drafter trained for the embedded default target (see README, "Training").
+DEFAULT_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters",
+                               "smollm2-135m-b16")
+
+
 def cmd_generate(args):
     from .decoding import spec_generate, target_generate
     from .drafter import DFlashDrafter
@@ -48,6 +53,9 @@ def cmd_generate(args):
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model, tok = load_target(args.target, dtype=dtype, device=args.device)
+    if args.drafter is None and args.target is None and not args.fresh_drafter \
+            and os.path.exists(os.path.join(DEFAULT_DRAFTER, "config.json")):
+        args.drafter = DEFAULT_DRAFTER
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
         drafter.check_fits(model.config)
@@ -131,7 +139,10 @@ def main(argv=None):
     g = sub.add_parser("generate", help="speculative generation with streaming output and statistics")
     g.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     g.add_argument("--target", default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
-    g.add_argument("--drafter", default=None, help="DFlash drafter checkpoint folder (reference format)")
+    g.add_argument("--drafter", default=None, help="DFlash drafter checkpoint folder (reference format); "
+                   "default: drafters/smollm2-135m-b16 for the embedded target")
+    g.add_argument("--fresh-drafter", action="store_true",
+                   help="use a freshly initialised drafter even when the trained default exists")
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     g.add_argument("--draft-layers", type=int, default=5, help="layers of a freshly initialised drafter")
     g.add_argument("--temperature", type=float, default=0.0)

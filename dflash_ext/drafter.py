@@ -268,13 +268,16 @@ class DFlashDrafter(nn.Module):
                                  f"the config needs {tuple(own[name].shape)}")
         self.load_state_dict(state)
 
-    def save_pretrained(self, path: str) -> None:
+    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        """Write the reference format; `dtype` (e.g. torch.bfloat16) converts the weights."""
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
+        config = self.config.to_json_dict()
+        config["torch_dtype"] = str(dtype or self.fc.weight.dtype).replace("torch.", "")
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(self.config.to_json_dict(), f, indent=2)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            json.dump(config, f, indent=2)
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
 
     def check_fits(self, target_config) -> None:
