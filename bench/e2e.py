@@ -1,0 +1,411 @@
+"""End-to-end DFlash speculative decoding vs the target alone, on prompt sets.
+
+How to run (from the repository root, with the extension already built)::
+
+    .venv/bin/python bench/e2e.py --quick                       # smoke test: 2 prompts per set, 32 tokens
+    .venv/bin/python bench/e2e.py --drafter runs/smollm2-dflash  # a trained drafter checkpoint
+    .venv/bin/python bench/e2e.py --sets humaneval --n 20 --max-new-tokens 256 --block-size 8
+    .venv/bin/python bench/e2e.py --prompts "Write a haiku." "Explain RoPE." --sets
+    .venv/bin/python bench/e2e.py --prompt-file my_prompts.jsonl --sets
+
+For every prompt the target alone (``target_generate``, one token per forward pass) and
+DFlash (``spec_generate``) run side by side, same dtype, threads and sampling settings
+(greedy by default; the order of the two alternates between prompts). Greedy outputs
+must be identical (DFlash is lossless): every mismatch is counted, reported loudly and
+makes the exit status 1.
+
+Prompt sets (``--sets``, default humaneval mtbench sharegpt; loaded with
+``dflash_ext.prompts.load_prompts``): HumanEval, MT-Bench (first turns) and held-out
+ShareGPT (records from ``--sharegpt-offset``, default the module's held-out evaluation
+offset ``SHAREGPT_EVAL_OFFSET``, past the training records).
+Custom prompts: ``--prompts TEXT...`` (set "custom") and/or ``--prompt-file FILE`` (set
+named after the file): a .json list of strings, a .jsonl file of strings or of objects with
+a "prompt" (or "text") field, or plain text with one prompt per line. Pass ``--sets`` with
+no names to run only the custom prompts. Each prompt is formatted with the tokenizer's chat
+template (the user text is cut to ``--max-prompt-tokens`` tokens first).
+
+Target: ``--target DIR`` (a Hugging Face causal LM folder), default the embedded
+SmolLM2-135M-Instruct. Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
+format), default a freshly initialised drafter (``DFlashDrafter.from_target``) which is
+UNTRAINED: it accepts almost nothing (tau ~ 1) and DFlash is then slower than the target
+alone; the output says so.
+
+Reported per set and overall: tokens/s of both, speedup (DFlash tokens/s over target
+tokens/s, i.e. the ratio of total times for equal outputs), tau (tokens emitted per verify
+step), acceptance histogram (steps that emitted 1..B tokens), the per-step time split of
+DFlash (draft / verify / other, from GenerationResult.summary()), time to first token and
+greedy mismatches. Stdout: a table; JSON (``--json``, default bench/out/e2e.json, with
+every prompt's statistics); PNG (``--png``, default bench/out/e2e.png: speedup, tau, time
+split per set and the acceptance histograms; needs matplotlib). A progress bar (tqdm) goes
+to stderr (``--no-progress`` turns it off).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from _common import DTYPES, OUT_DIR, format_table  # noqa: E402
+
+DEFAULT_SETS = ["humaneval", "mtbench", "sharegpt"]
+
+
+# --------------------------------------------------------------------------- prompts
+
+def read_prompt_file(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+        return [d if isinstance(d, str) else (d.get("prompt") or d.get("text")) for d in data]
+    if path.endswith(".jsonl"):
+        out = []
+        for line in text.splitlines():
+            if line.strip():
+                d = json.loads(line)
+                out.append(d if isinstance(d, str) else (d.get("prompt") or d.get("text")))
+        return out
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def gather_prompts(args):
+    """[(set name, [prompt text])] in run order."""
+    out = []
+    if args.sets:
+        try:
+            from dflash_ext.prompts import load_prompts  # written alongside; imported only when needed
+        except ImportError as e:
+            sys.exit(f"e2e: cannot load the prompt sets {args.sets} ({e}); pass --prompts/--prompt-file "
+                     f"and --sets with no names")
+        for name in args.sets:
+            if name == "sharegpt" and args.sharegpt_offset is not None:
+                prompts = load_prompts(name, args.n, offset=args.sharegpt_offset)
+            else:  # sharegpt: the module's held-out evaluation offset
+                prompts = load_prompts(name, args.n)
+            if not prompts:
+                sys.exit(f"e2e: prompt set {name} gave no prompts")
+            out.append((name, list(prompts)))
+    if args.prompts:
+        out.append(("custom", list(args.prompts)))
+    if args.prompt_file:
+        name = os.path.splitext(os.path.basename(args.prompt_file))[0]
+        prompts = [p for p in read_prompt_file(args.prompt_file) if p][:args.n if args.n_file_limit else None]
+        if not prompts:
+            sys.exit(f"e2e: no prompts in {args.prompt_file}")
+        out.append((name, prompts))
+    if not out:
+        sys.exit("e2e: no prompts: give --sets, --prompts or --prompt-file")
+    return out
+
+
+def _sharegpt_default_offset():
+    try:
+        from dflash_ext import prompts
+        return getattr(prompts, "SHAREGPT_EVAL_OFFSET", None)
+    except ImportError:
+        return None
+
+
+def encode(tok, text, max_prompt_tokens):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+        text = tok.decode(ids[:max_prompt_tokens])
+    if getattr(tok, "chat_template", None):
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"])
+    return list(tok(text)["input_ids"])
+
+
+# --------------------------------------------------------------------------- statistics
+
+def aggregate(records, block_size):
+    """Totals over prompt records (each with 'baseline' and 'dflash' summaries)."""
+    if not records:
+        return None
+    b = [r["baseline"] for r in records]
+    d = [r["dflash"] for r in records]
+    b_tok, d_tok = sum(x["new_tokens"] for x in b), sum(x["new_tokens"] for x in d)
+    b_s, d_s = sum(x["total_s"] for x in b), sum(x["total_s"] for x in d)
+    steps = sum(x["steps"] for x in d)
+    emitted = sum(x["tau"] * x["steps"] for x in d)
+    hist = [0] * block_size
+    for x in d:
+        for i, n in enumerate(x["histogram"]):
+            hist[i] += n
+    draft_s, verify_s, other_s = (sum(x[k] for x in d) for k in ("draft_s", "verify_s", "other_s"))
+    b_tps, d_tps = (b_tok / b_s if b_s else 0.0), (d_tok / d_s if d_s else 0.0)
+    per_prompt = [r["speedup"] for r in records if r["speedup"]]
+    return dict(
+        prompts=len(records), prompt_tokens_mean=sum(r["prompt_tokens"] for r in records) / len(records),
+        baseline_tokens=b_tok, dflash_tokens=d_tok, baseline_s=b_s, dflash_s=d_s,
+        baseline_tokens_per_s=b_tps, dflash_tokens_per_s=d_tps,
+        speedup=(d_tps / b_tps if b_tps else None),
+        speedup_mean_per_prompt=(sum(per_prompt) / len(per_prompt) if per_prompt else None),
+        tau=(emitted / steps if steps else 0.0), steps=steps, histogram=hist,
+        draft_s=draft_s, verify_s=verify_s, other_s=other_s,
+        draft_ms_per_step=1e3 * draft_s / max(1, steps), verify_ms_per_step=1e3 * verify_s / max(1, steps),
+        other_ms_per_step=1e3 * other_s / max(1, steps),
+        draft_frac=draft_s / d_s if d_s else 0.0, verify_frac=verify_s / d_s if d_s else 0.0,
+        other_frac=other_s / d_s if d_s else 0.0,
+        baseline_ttft_ms=1e3 * sum(x["time_to_first_token_s"] for x in b) / len(b),
+        dflash_ttft_ms=1e3 * sum(x["time_to_first_token_s"] for x in d) / len(d),
+        mismatches=sum(1 for r in records if r["identical"] is False),
+        compared=sum(1 for r in records if r["identical"] is not None),
+    )
+
+
+def table(sets, overall):
+    rows = [dict(name=k, **v) for k, v in sets.items()]
+    if len(rows) > 1:
+        rows.append(dict(name="all", **overall))
+    cols = [("name", "set", "{}"), ("prompts", "n", "{}"), ("prompt_tokens_mean", "prompt_tok", "{:.0f}"),
+            ("dflash_tokens", "new_tok", "{}"), ("baseline_tokens_per_s", "target tok/s", "{:.1f}"),
+            ("dflash_tokens_per_s", "dflash tok/s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
+            ("tau", "tau", "{:.2f}"), ("steps", "steps", "{}"),
+            ("draft_ms_per_step", "draft ms/step", lambda r: f"{r['draft_ms_per_step']:.1f} ({100 * r['draft_frac']:.0f}%)"),
+            ("verify_ms_per_step", "verify ms/step", lambda r: f"{r['verify_ms_per_step']:.1f} ({100 * r['verify_frac']:.0f}%)"),
+            ("other_ms_per_step", "other ms/step", lambda r: f"{r['other_ms_per_step']:.1f} ({100 * r['other_frac']:.0f}%)"),
+            ("mismatches", "mismatch", lambda r: f"{r['mismatches']}/{r['compared']}" if r["compared"] else "-")]
+    return format_table(rows, cols)
+
+
+def plot(sets, overall, block_size, title, path):
+    plt = _common.pyplot()
+    if plt is None or not sets:
+        return False
+    names = list(sets) + (["all"] if len(sets) > 1 else [])
+    aggs = [sets[n] if n in sets else overall for n in names]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    ax = axes[0, 0]
+    sp = [a["speedup"] or 0.0 for a in aggs]
+    bars = ax.bar(names, sp, color="tab:blue")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.bar_label(bars, labels=[f"{v:.2f}x" for v in sp], fontsize=8)
+    ax.set_title("speedup (DFlash tok/s / target tok/s)")
+    ax = axes[0, 1]
+    taus = [a["tau"] for a in aggs]
+    bars = ax.bar(names, taus, color="tab:green")
+    ax.bar_label(bars, labels=[f"{v:.2f}" for v in taus], fontsize=8)
+    ax.set_title(f"tau (tokens per verify step, block size {block_size})")
+    ax = axes[1, 0]
+    bottom = [0.0] * len(aggs)
+    for key, color in (("draft", "tab:orange"), ("verify", "tab:purple"), ("other", "tab:gray")):
+        vals = [a[f"{key}_ms_per_step"] for a in aggs]
+        ax.bar(names, vals, bottom=bottom, label=key, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title("DFlash time per step (ms)")
+    ax.legend(fontsize=8)
+    ax = axes[1, 1]
+    width = 0.8 / len(aggs)
+    xs = list(range(1, block_size + 1))
+    for i, (n, a) in enumerate(zip(names, aggs)):
+        total = max(1, sum(a["histogram"]))
+        ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], [h / total for h in a["histogram"]], width, label=n)
+    ax.set_xticks(xs)
+    ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title("acceptance histogram")
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--target", default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--drafter", default=None, help="DFlash drafter checkpoint folder (default: a fresh, untrained one)")
+    ap.add_argument("--draft-layers", type=int, default=5, help="layers of a freshly initialised drafter (default 5)")
+    ap.add_argument("--sets", nargs="*", default=None, help=f"prompt sets (default: {' '.join(DEFAULT_SETS)} "
+                    "unless --prompts/--prompt-file are given; no names = none)")
+    ap.add_argument("--prompts", nargs="+", default=None, help="literal prompts (set 'custom')")
+    ap.add_argument("--prompt-file", default=None, help=".json list, .jsonl, or one prompt per line")
+    ap.add_argument("--n", type=int, default=None, help="prompts per set (default 10; quick 2)")
+    ap.add_argument("--sharegpt-offset", type=int, default=None,
+                    help="first ShareGPT record used (default: dflash_ext.prompts.SHAREGPT_EVAL_OFFSET, "
+                         "the records held out from training)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="cut longer user texts (default 1024)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128; quick 32")
+    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's (16 for a fresh one)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ap.add_argument("--path", choices=["fused", "reference"], default="fused",
+                    help="drafter ops: fused dflash_ext ops (default) or the plain-PyTorch reference")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32", help="target and drafter dtype (default float32)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 32 new tokens (< 2 min)")
+    ap.add_argument("--json", default=os.path.join(OUT_DIR, "e2e.json"))
+    ap.add_argument("--png", default=os.path.join(OUT_DIR, "e2e.png"), help="'' for no plot")
+    args = ap.parse_args(argv)
+    if args.sets is None:
+        args.sets = [] if (args.prompts or args.prompt_file) else list(DEFAULT_SETS)
+    bad = [s for s in args.sets if s not in DEFAULT_SETS]
+    if bad:
+        ap.error(f"unknown --sets {bad}; choose from {DEFAULT_SETS}")
+    args.n_file_limit = args.n is not None
+    args.n = args.n if args.n is not None else (2 if args.quick else 10)
+    args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
+    if args.n < 1 or args.max_new_tokens < 1:
+        ap.error("--n and --max-new-tokens must be >= 1")
+    if args.block_size is not None and args.block_size < 1:
+        ap.error("--block-size must be >= 1")
+    if args.drafter is not None and not os.path.isdir(args.drafter):
+        ap.error(f"--drafter {args.drafter}: no such directory")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    missing = _common.check_device(device)
+    if missing and args.path == "fused":
+        sys.exit(f"e2e: dflash_ext has no {device.type} kernel for {missing}; use --path reference")
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    t_start = time.perf_counter()
+
+    from dflash_ext.decoding import spec_generate, target_generate
+    from dflash_ext.drafter import DFlashDrafter
+    from dflash_ext.models import DEFAULT_TARGET_NAME, load_target
+
+    busy = _common.warn_if_busy(device)
+    prompt_sets = gather_prompts(args)
+    model, tok = load_target(args.target, dtype=dtype, device=device)
+    target_name = args.target or f"{DEFAULT_TARGET_NAME} (embedded default)"
+    if args.drafter:
+        drafter = DFlashDrafter.from_pretrained(args.drafter, device=device, dtype=dtype)
+        drafter.check_fits(model.config)
+        drafter_name, fresh = args.drafter, False
+    else:
+        drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
+                                            block_size=args.block_size or 16, seed=args.seed).to(device, dtype)
+        drafter_name, fresh = "freshly initialised (UNTRAINED: tau ~ 1, DFlash slower than the target)", True
+    drafter.eval()
+    B = args.block_size or drafter.config.block_size
+    stops = [] if args.ignore_eos or tok.eos_token_id is None else [tok.eos_token_id]
+    fused = args.path == "fused"
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
+    greedy = args.temperature <= 0
+    print(f"e2e: target {target_name}; drafter {drafter_name}; block size {B}; {args.dtype}, {device}, "
+          f"{torch.get_num_threads()} threads; {'greedy' if greedy else f'temperature {args.temperature}'}; "
+          f"{args.max_new_tokens} new tokens; sets "
+          + ", ".join(f"{n} ({len(p)})" for n, p in prompt_sets), file=sys.stderr, flush=True)
+
+    encoded = [(name, i, encode(tok, p, args.max_prompt_tokens)) for name, ps in prompt_sets
+               for i, p in enumerate(ps)]
+
+    def run_pair(ids, k, max_new):
+        """(baseline, dflash) GenerationResults; the order alternates with k."""
+        def base():
+            g = torch.Generator().manual_seed(args.seed + k)
+            return target_generate(model, ids, max_new, generator=g, **sampling)
+
+        def spec():
+            g = torch.Generator().manual_seed(args.seed + k)
+            return spec_generate(model, drafter, ids, max_new, block_size=B, generator=g, fused=fused, **sampling)
+        if k % 2 == 0:
+            b = base()
+            s = spec()
+        else:
+            s = spec()
+            b = base()
+        return b, s
+
+    if not args.no_warmup:
+        run_pair(encoded[0][2], 0, min(8, args.max_new_tokens))
+
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(encoded), desc="e2e", unit="prompt", file=sys.stderr, disable=args.no_progress,
+                   dynamic_ncols=True)
+    except ImportError:
+        bar = None
+    records = []
+    for k, (name, i, ids) in enumerate(encoded):
+        base, spec = run_pair(ids, k, args.max_new_tokens)
+        identical = (base.tokens == spec.tokens) if greedy else None
+        first_diff = None
+        if identical is False:
+            first_diff = next((j for j, (a, b) in enumerate(zip(base.tokens, spec.tokens)) if a != b),
+                              min(len(base.tokens), len(spec.tokens)))
+            msg = (f"GREEDY MISMATCH (a bug): set {name} prompt {i}: DFlash differs from the target alone at "
+                   f"new token {first_diff} (target {base.tokens[first_diff:first_diff + 4]}, DFlash "
+                   f"{spec.tokens[first_diff:first_diff + 4]})")
+            (bar.write if bar else print)("!" * 78 + "\n" + msg + "\n" + "!" * 78, file=sys.stderr)
+        bs, ss = base.summary(), spec.summary()
+        records.append(dict(set=name, index=i, prompt_tokens=len(ids), baseline=bs, dflash=ss,
+                            speedup=(ss["tokens_per_second"] / bs["tokens_per_second"]
+                                     if bs["tokens_per_second"] else None),
+                            identical=identical, first_mismatch=first_diff))
+        if bar:
+            done = aggregate(records, B)
+            bar.set_postfix_str(f"{name} tau {done['tau']:.2f} speedup {done['speedup'] or 0:.2f}x"
+                                + (f" MISMATCH {done['mismatches']}" if done["mismatches"] else ""))
+            bar.update(1)
+    if bar:
+        bar.close()
+
+    sets = {name: aggregate([r for r in records if r["set"] == name], B) for name, _ in prompt_sets}
+    overall = aggregate(records, B)
+    meta = _common.machine_metadata(device)
+    meta.update(target=target_name, drafter=drafter_name, drafter_fresh=fresh, block_size=B,
+                draft_layers=drafter.config.num_hidden_layers, dtype=args.dtype, path=args.path,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, n_per_set=args.n,
+                sharegpt_offset=(args.sharegpt_offset if args.sharegpt_offset is not None
+                                 else _sharegpt_default_offset()), max_prompt_tokens=args.max_prompt_tokens,
+                seed=args.seed, quick=args.quick, busy_fraction=busy, warmup=not args.no_warmup,
+                elapsed_s=round(time.perf_counter() - t_start, 2))
+
+    title = (f"DFlash vs target alone | target {target_name} | drafter {'UNTRAINED (fresh)' if fresh else drafter_name}"
+             f" | B={B} {args.dtype} {device} {meta['threads']} threads | {args.max_new_tokens} new tokens, "
+             f"{'greedy' if greedy else f'T={args.temperature}'}")
+    print(f"# {title}")
+    if fresh:
+        print("# NOTE: the drafter is freshly initialised (untrained): it accepts almost nothing, so tau ~ 1 and "
+              "DFlash is slower than the target alone. Pass --drafter DIR for a trained checkpoint.")
+    print(f"# speedup = DFlash tok/s / target tok/s over the whole set; tau = tokens emitted per verify step; "
+          f"ms/step = DFlash time per verify step split into draft / verify / other (share of DFlash time); "
+          f"{meta['device_name']}, torch {torch.__version__}, git {meta['git_commit']}"
+          f"{'+dirty' if meta['git_dirty'] else ''}")
+    print()
+    print(table(sets, overall))
+    print()
+    for name, a in list(sets.items()) + ([("all", overall)] if len(sets) > 1 else []):
+        print(f"# acceptance histogram {name} (steps emitting 1..{B} tokens): {a['histogram']}")
+    print(f"# time to first token: target {overall['baseline_ttft_ms']:.0f} ms, DFlash {overall['dflash_ttft_ms']:.0f} ms")
+    mismatches = overall["mismatches"]
+    if greedy:
+        if mismatches:
+            print("!" * 78)
+            print(f"BUG: {mismatches} of {overall['compared']} greedy outputs of DFlash differ from the target alone")
+            print("!" * 78)
+        else:
+            print(f"# greedy outputs identical to the target alone: {overall['compared']}/{overall['compared']}")
+    print(f"# total {meta['elapsed_s']:.1f} s")
+    if args.json:
+        _common.write_json(args.json, dict(metadata=meta, sets=sets, overall=overall, prompts=records))
+        print(f"# JSON written to {args.json}")
+    if args.png and plot(sets, overall, B, title, args.png):
+        print(f"# plot written to {args.png}")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
