@@ -132,6 +132,14 @@ def cmd_train(args):
         dist.destroy_process_group()
 
 
+def cmd_export(args):
+    from .drafter import DFlashDrafter
+
+    drafter = DFlashDrafter.from_pretrained(args.src)
+    drafter.save_pretrained(args.dst, dtype=getattr(torch, args.dtype))
+    print(f"[dflash_ext] wrote {args.dst} ({args.dtype})", file=sys.stderr)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dflash_ext", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +191,10 @@ def main(argv=None):
     t.add_argument("--autocast", default=None, choices=["auto", "bf16", "none"])
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int, default=2)
+    e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
+    e.add_argument("--src", required=True)
+    e.add_argument("--dst", required=True)
+    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args(argv)
     if args.command == "generate":
         if args.drafter is not None:
@@ -193,6 +205,8 @@ def main(argv=None):
         cmd_gen_data(args)
     elif args.command == "train":
         cmd_train(args)
+    elif args.command == "export":
+        cmd_export(args)
 
 
 if __name__ == "__main__":

@@ -251,7 +251,8 @@ class DFlashDrafter(nn.Module):
             state.update(load_file(os.path.join(path, name)))
         drafter = cls(config)
         drafter.load_reference_state_dict(state)
-        return drafter.to(device=device, dtype=dtype)
+        # Default: the dtype the checkpoint was written in.
+        return drafter.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
 
     def load_reference_state_dict(self, state: dict) -> None:
         """Load weights named as in the reference checkpoint; any mismatch is an error."""

@@ -15,3 +15,15 @@ def test_train_needs_data_and_out(capsys):
     with pytest.raises(SystemExit):
         main(["train"])
     assert "--data" in capsys.readouterr().err
+
+
+def test_export_converts_dtype(tmp_path):
+    import torch
+
+    from dflash_ext.drafter import DFlashDrafter
+    from decoding_helpers import tiny_target_config
+
+    DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=4).save_pretrained(tmp_path / "a")
+    main(["export", "--src", str(tmp_path / "a"), "--dst", str(tmp_path / "b"), "--dtype", "bfloat16"])
+    b = DFlashDrafter.from_pretrained(str(tmp_path / "b"))
+    assert b.fc.weight.dtype == torch.bfloat16
