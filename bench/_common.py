@@ -1,6 +1,6 @@
-"""Helpers shared by bench/draft_latency.py and bench/e2e.py: an interleaved median timer
-with the quiet-machine check of bench_ops.py (re-implemented here, bench_ops.py is left
-alone), a copy-bandwidth probe, run metadata, aligned text tables and a lazy matplotlib."""
+"""Helpers shared by bench/bench_ops.py, bench/draft_latency.py and bench/e2e.py: an
+interleaved median timer with a quiet-machine check, a copy-bandwidth probe, run metadata,
+aligned text tables, JSON output and a lazy matplotlib (plus saving a figure)."""
 import datetime
 import os
 import platform
@@ -28,7 +28,7 @@ class Timer:
     CUDA: CUDA events around each call (no CUDA graphs: the draft step has host-side work,
     e.g. the cache lengths tensor and ``positions.max()``, that graphs would hide).
 
-    CPU, like bench_ops.py: a tiny two-thread canary op runs before and after every timed
+    CPU: a tiny two-thread canary op runs before and after every timed
     call. On a shared VM whose other vCPU is intermittently taken by the host every parallel
     region then waits a scheduler tick (the canary takes ms instead of us); calls next to a
     slow canary are dropped, a pass with more than MAX_DROPPED of them is repeated once the
@@ -48,7 +48,7 @@ class Timer:
         self.min_repeats, self.budget, self.max_wait = max(1, min(min_repeats, repeats)), budget, max_wait
         self.cuda = self.device.type == "cuda"
         self.quiet_check = quiet_check and not self.cuda
-        self.waited_s = 0.0
+        self.waited_s = 0.0  # total time spent waiting for a quiet machine
         self.dropped_calls = 0
         self.retried_passes = 0
         self.canary_limit_ms = None
@@ -61,6 +61,7 @@ class Timer:
                 single = min(self._canary() for _ in range(200))
             finally:
                 torch.set_num_threads(threads)
+            # Quiet: the parallel canary costs about the single-thread one, never a tick.
             self.canary_limit_ms = single + 1.0
 
     def _canary(self):
@@ -88,6 +89,8 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
     def _wait_quiet(self, deadline):
+        """Wait until the canary has stayed quiet for QUIET_WINDOW_S in a row (a busy spell
+        often flickers: quiet canaries between stalls a few ms apart)."""
         if not self.quiet_check:
             return True
         t0 = window_start = time.perf_counter()
@@ -104,10 +107,13 @@ class Timer:
         return self._quiet()
 
     def _pass(self, fns, deadline):
+        """One measurement pass. Rounds call every variant once (rotating the order); with the
+        quiet check on, a call counts only if the canary before and after it was quiet. The
+        pass gives up early once more than MAX_DROPPED of its calls were disturbed."""
         names = list(fns)
         good = {n: [] for n in names}
         every = {n: [] for n in names}
-        spent_ms = 0.0
+        spent_ms = 0.0  # time inside the kept timed calls
         quiet = self._wait_quiet(deadline)
         dropped = total = rnd = 0
         while True:
@@ -292,17 +298,19 @@ def machine_metadata(device) -> dict:
     )
 
 
-def check_device(device, op_names=("project_features", "inject_context_kv", "block_attention")):
-    """Exit with a message for an unusable device; returns the dflash_ext ops without a
-    kernel on it (CUDA builds without CUDA kernels)."""
+def check_device(device, op_names=("project_features", "inject_context_kv", "block_attention"),
+                 prog=None):
+    """Exit with a message (prefixed with ``prog: `` if given) for an unusable device; returns
+    the dflash_ext ops without a kernel on it (CUDA builds without CUDA kernels)."""
     device = torch.device(device)
+    prefix = f"{prog}: " if prog else ""
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            sys.exit("--device cuda requested but torch.cuda.is_available() is False")
+            sys.exit(f"{prefix}--device cuda requested but torch.cuda.is_available() is False")
         return [op for op in op_names
                 if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash_ext::{op}", "CUDA")]
     if device.type != "cpu":
-        sys.exit(f"unsupported --device {device} (cpu or cuda)")
+        sys.exit(f"{prefix}unsupported --device {device} (cpu or cuda)")
     return []
 
 
@@ -343,3 +351,13 @@ def pyplot():
         print("note: matplotlib is not installed (pip install matplotlib): no PNG written",
               file=sys.stderr)
         return None
+
+
+def save_figure(fig, path, dpi=110) -> bool:
+    """Lay out `fig`, write it to `path` (creating the folder) and close it; returns True."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return True

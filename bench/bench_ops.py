@@ -48,28 +48,26 @@ in the table (``noisy`` in the JSON). ``--no-quiet-check`` turns this off.
 """
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import dflash_ext
-from dflash_ext import ops, reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from _common import DTYPES, OUT_DIR, Timer, cpu_flags, cpu_model, git_info  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import dflash_ext  # noqa: E402
+from dflash_ext import ops, reference  # noqa: E402
 
 PRESETS = {
     "smollm2": dict(H=576, Hq=9, Hkv=3, D=64, N=5, k=5),
     "qwen3-8b": dict(H=4096, Hq=32, Hkv=8, D=128, N=5, k=5),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Loose tolerances: eager rounds intermediates (GEMM output, norm, RoPE) to the dtype,
 # the fused ops accumulate in fp32, so low-precision results differ by a few ulps.
 TOLS = {torch.float32: (2e-3, 2e-3), torch.bfloat16: (6e-2, 6e-2), torch.float16: (1e-2, 1e-2)}
@@ -82,164 +80,6 @@ NOISE = 0.05  # misses within 5% of the goal are flagged as possibly noise
 
 class MismatchError(RuntimeError):
     pass
-
-
-# --------------------------------------------------------------------------- timing
-
-class Timer:
-    """Median wall time of several variants of one computation, measured interleaved.
-
-    Each round times every variant once (order rotated per round), so a slow spell of the
-    machine hits all variants alike. On CPU a tiny multi-threaded canary op runs before and
-    after every timed call: on a shared VM whose other vCPUs are intermittently taken by the
-    host, every parallel region then waits for a scheduler tick (the canary takes 4-12 ms
-    instead of ~10 us), often for seconds at a time. Calls next to a slow canary are dropped;
-    a pass in which too many calls were dropped is repeated (see ``measure``).
-    """
-
-    def __init__(self, device, warmup, repeats, min_repeats, budget, quiet_check=True, max_wait=60.0):
-        self.device = torch.device(device)
-        self.warmup, self.repeats = warmup, repeats
-        self.min_repeats, self.budget = min_repeats, budget
-        self.max_wait = max_wait
-        self.cuda = self.device.type == "cuda"
-        self.quiet_check = quiet_check and not self.cuda
-        self.waited_s = 0.0  # total time spent waiting for a quiet machine
-        self.dropped_calls = 0
-        self.retried_passes = 0
-        if self.quiet_check:
-            self._x = torch.randn(1 << 16)  # 2 * at::internal::GRAIN_SIZE: runs on 2 threads
-            self._y = torch.empty_like(self._x)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                single = min(self._canary() for _ in range(200))
-            finally:
-                torch.set_num_threads(threads)
-            # Quiet: the parallel canary costs about the single-thread one, never a tick.
-            self.canary_limit_ms = single + 1.0
-            self.canary_single_ms = single
-
-    def _canary(self):
-        t0 = time.perf_counter()
-        torch.mul(self._x, 2.0, out=self._y)
-        return (time.perf_counter() - t0) * 1e3
-
-    def _quiet(self):
-        return not self.quiet_check or self._canary() <= self.canary_limit_ms
-
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def _time(self, fn):
-        if self.cuda:
-            e0 = torch.cuda.Event(enable_timing=True)
-            e1 = torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    QUIET_WINDOW_S = 0.05
-
-    def _wait_quiet(self, deadline):
-        """Wait until the canary has stayed quiet for QUIET_WINDOW_S in a row (a busy spell
-        often flickers: quiet canaries between stalls a few ms apart)."""
-        if not self.quiet_check:
-            return True
-        t0 = time.perf_counter()
-        window_start = t0
-        while True:
-            now = time.perf_counter()
-            if not self._quiet():
-                if now > deadline:
-                    break
-                time.sleep(0.02)
-                window_start = time.perf_counter()
-            elif now - window_start >= self.QUIET_WINDOW_S:
-                break
-        self.waited_s += time.perf_counter() - t0
-        return self._quiet()
-
-    def _pass(self, fns, deadline):
-        """One measurement pass. Rounds call every variant once (rotating the order); with the
-        quiet check on, a call counts only if the canary before and after it was quiet. The
-        pass gives up early once more than MAX_DROPPED of its calls were disturbed."""
-        names = list(fns)
-        good = {n: [] for n in names}
-        every = {n: [] for n in names}
-        spent_ms = 0.0  # time inside the kept timed calls
-        quiet = self._wait_quiet(deadline)
-        dropped = total = rnd = 0
-        while True:
-            n_good = min(len(v) for v in good.values())
-            if n_good >= self.repeats or (n_good >= self.min_repeats and spent_ms >= self.budget * 1e3):
-                break
-            if dropped >= 2 and dropped > self.MAX_DROPPED * total:
-                break  # a busy spell: this pass will be rejected anyway
-            if time.perf_counter() > deadline and total >= self.min_repeats * len(names):
-                break
-            order = names[rnd % len(names):] + names[:rnd % len(names)]
-            rnd += 1
-            for n in order:
-                t = self._time(fns[n])
-                quiet_after = self._quiet()
-                every[n].append(t)
-                total += 1
-                if quiet and quiet_after:
-                    good[n].append(t)
-                    spent_ms += t
-                else:
-                    dropped += 1
-                quiet = quiet_after
-        return good, every, dropped, total
-
-    MAX_DROPPED = 0.1
-
-    def measure(self, fns):
-        """fns: {name: callable}. Returns ({name: median ms}, info dict).
-
-        Passes whose calls were disturbed too often (> MAX_DROPPED, by the canary) are
-        repeated after the machine is quiet again, until ``max_wait`` s have passed; then the
-        quiet calls of all passes are used and the row is flagged ``noisy``."""
-        names = list(fns)
-        for name in names:
-            for _ in range(self.warmup):
-                fns[name]()
-        self._sync()
-        deadline = time.perf_counter() + self.max_wait
-        all_good = {n: [] for n in names}
-        all_every = {n: [] for n in names}
-        passes = dropped_total = 0
-        while True:
-            good, every, dropped, total = self._pass(fns, deadline)
-            passes += 1
-            dropped_total += dropped
-            self.dropped_calls += dropped
-            for n in names:
-                all_good[n] += good[n]
-                all_every[n] += every[n]
-            enough = min(len(v) for v in good.values()) >= self.min_repeats
-            if enough and dropped <= self.MAX_DROPPED * total:
-                noisy = False
-                use = good
-                break
-            if time.perf_counter() > deadline:
-                # No quiet pass: fall back on every quiet call of all passes (or every call).
-                noisy = True
-                use = all_good if min(len(v) for v in all_good.values()) >= self.min_repeats else all_every
-                break
-            self.retried_passes += 1
-        medians = {n: statistics.median(use[n]) for n in names}
-        info = dict(repeats=min(len(v) for v in use.values()), dropped=dropped_total, passes=passes,
-                    noisy=noisy)
-        info.update({f"{n}_min_ms": min(use[n]) for n in names})
-        return medians, info
 
 
 # --------------------------------------------------------------------------- verification
@@ -447,48 +287,9 @@ def format_table(op, rows):
              ("ratio", "ratio", "{:.2f}x")]
     if op == "project_features":
         cols += [("linear_ms", "linear_ms", "{:.4f}"), ("ratio_vs_linear", "ratio_vs_linear", "{:.2f}x")]
-    cols += [("goal", "goal", "{}"), ("repeats", "n", "{}")]
-    cells = [[fmt.format(r[key]) + ("!" if key == "repeats" and r["noisy"] else "")
-              for key, _, fmt in cols] for r in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(cols)]
-    lines = [f"== {op} ({GOAL_TEXT[op]})",
-             "  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(cell, widths)) for cell in cells]
-    return "\n".join(lines)
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    interesting = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    return [x for x in interesting if x in flags]
-
-
-def git_info():
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-    commit = run("git", "rev-parse", "--short", "HEAD")
-    status = run("git", "status", "--porcelain", "--untracked-files=no")
-    return commit, (bool(status) if status is not None else None)
+    cols += [("goal", "goal", "{}"),
+             ("repeats", "n", lambda r: f"{r['repeats']}" + ("!" if r["noisy"] else ""))]
+    return _common.format_table(rows, cols, title=f"== {op} ({GOAL_TEXT[op]})")
 
 
 def parse_args(argv=None):
@@ -521,7 +322,7 @@ def parse_args(argv=None):
                          "the quiet calls of all its passes and flags the row noisy (default 20; --quick 2)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: T/Bq in {1, 16}, context 512, few repeats (< 1 min)")
-    ap.add_argument("--json", default=os.path.join(REPO_ROOT, "bench", "out", "bench_ops.json"),
+    ap.add_argument("--json", default=os.path.join(OUT_DIR, "bench_ops.json"),
                     help="where to write the JSON results (default bench/out/bench_ops.json)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     ap.add_argument("--seed", type=int, default=0)
@@ -555,15 +356,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            sys.exit("bench_ops: --device cuda requested but torch.cuda.is_available() is False")
-        missing = [op for op in args.ops
-                   if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash_ext::{op}", "CUDA")]
-        if missing:
-            sys.exit(f"bench_ops: dflash_ext has no CUDA kernel for {missing}; run on --device cpu")
-    elif device.type != "cpu":
-        sys.exit(f"bench_ops: unsupported --device {args.device} (cpu or cuda)")
+    missing = _common.check_device(device, args.ops, prog="bench_ops")
+    if missing:
+        sys.exit(f"bench_ops: dflash_ext has no CUDA kernel for {missing}; run on --device cpu")
     torch.set_num_threads(args.threads)
     timer = Timer(device, args.warmup, args.repeats, args.min_repeats, args.budget,
                   quiet_check=not args.no_quiet_check, max_wait=args.max_wait)
@@ -669,13 +464,10 @@ def main(argv=None):
     print(f"# total {time.perf_counter() - t_start:.1f} s")
 
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 2)
-    meta["quiet_wait_s"] = round(timer.waited_s, 2)
-    meta["dropped_calls"] = timer.dropped_calls
-    meta["retried_passes"] = timer.retried_passes
+    summary = timer.summary()
+    meta.update({k: summary[k] for k in ("quiet_wait_s", "dropped_calls", "retried_passes")})
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(metadata=meta, rows=rows), f, indent=1)
+        _common.write_json(args.json, dict(metadata=meta, rows=rows))
         print(f"# JSON written to {args.json}")
     return 0
 

@@ -445,11 +445,7 @@ def plot(rows, path):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle("DFlash draft step: fused (solid) vs reference (dashed)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _common.save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- main

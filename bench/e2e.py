@@ -211,11 +211,7 @@ def plot(sets, overall, block_size, title, path):
     ax.set_title("acceptance histogram")
     ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _common.save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- main
