@@ -18,7 +18,7 @@ namespace dflash::cpu {
 namespace {
 
 constexpr int64_t kKeyTile = 256;   // keys per S = Q·K^T tile
-constexpr int64_t kMinSplitKeys = 512;  // do not split below this many keys per split
+constexpr int64_t kMinSplitKeys = 128;  // do not split below this many keys per split
 
 // A contiguous run of key/value rows in memory (row stride `ld` elements).
 template <typename T>
@@ -71,8 +71,11 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
   }
   const int64_t threads = at::get_num_threads();
   const int64_t items = d.Bsz * Hkv;
-  const int64_t splits = std::max<int64_t>(
-      1, std::min((2 * threads + items - 1) / items, max_keys / kMinSplitKeys));
+  // At least two work items per thread, and a multiple of the thread count where possible
+  // (3 KV heads on 2 threads would otherwise leave a thread idle a third of the time).
+  int64_t splits = (2 * threads + items - 1) / items;
+  while ((items * splits) % threads != 0 && splits < 4 * threads) ++splits;
+  splits = std::max<int64_t>(1, std::min(splits, max_keys / kMinSplitKeys));
 
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
