@@ -94,6 +94,7 @@ import dflash_ext  # noqa: E402,F401
 import dflash_ext.drafter as drafter_module  # noqa: E402
 from dflash_ext import ops, reference  # noqa: E402
 from dflash_ext.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids  # noqa: E402
+from dflash_ext.decoding import draft_tokens  # noqa: E402
 
 PRESETS = {
     "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -283,7 +284,7 @@ class Setup:
         return self.d.draft_hidden(self.cache, embeds, self.block_pos, fused=fused)
 
     def lm_head(self, hidden):
-        return F.linear(hidden, self.lm_w)[:, 1:].argmax(-1)
+        return draft_tokens(hidden, lambda rows: F.linear(rows, self.lm_w))
 
     def step(self, fused):
         self.inject(fused)

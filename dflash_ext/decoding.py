@@ -20,7 +20,7 @@ import torch
 
 from .drafter import DFlashDrafter, DraftCache
 
-__all__ = ["spec_generate", "target_generate", "GenerationResult", "DFlashProposer", "sample_token"]
+__all__ = ["spec_generate", "target_generate", "GenerationResult", "DFlashProposer", "sample_token", "draft_tokens"]
 
 
 @dataclass
@@ -89,6 +89,18 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-drop)
 
 
+def draft_tokens(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Greedy draft tokens [Bsz, B-1] from the drafter's final hidden states [Bsz, B, H]:
+    the LM head's argmax at slots 1..B-1 (slot 0 is the last accepted token)."""
+    Bsz, B, H = hidden.shape
+    rows = hidden.reshape(Bsz * B, H)
+    # Rows padded to a multiple of 16: on CPU, MKL runs 10 or 15 rows about 2x slower
+    # than 16 (bench/RESULTS.md, draft step breakdown).
+    rows = torch.nn.functional.pad(rows, (0, 0, 0, -rows.shape[0] % 16))
+    logits = lm_head(rows)[:Bsz * B].view(Bsz, B, -1)
+    return logits[:, 1:].argmax(-1)
+
+
 class DFlashProposer:
     """Glue between the drafter and one target: the target's embedding and LM head, the
     drafter's context cache, and the selected target layers."""
@@ -116,9 +128,7 @@ class DFlashProposer:
         positions = torch.arange(position, position + n + 1, device=device)[None]
         embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused)
-        # All n + 1 rows through the LM head: MKL is ~2x slower for 15 rows than for 16.
-        logits = self.lm_head(hidden[0].to(self.lm_head.weight.dtype))
-        return logits[1:].argmax(-1)
+        return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
 
 
 def _target_forward(target, ids: torch.Tensor, cache, hidden_states: bool = True):
