@@ -126,7 +126,7 @@ def cmd_train(args):
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
-    target, _ = load_target(args.target, device=args.device)
+    target, _ = load_target(args.target, device=args.device, tokenizer=False)
     train(cfg, target, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
     if world > 1:
         dist.destroy_process_group()

@@ -51,13 +51,13 @@ def default_target_path() -> str:
     return folder
 
 
-def load_target(path: str = None, dtype=torch.float32, device="cpu"):
+def load_target(path: str = None, dtype=torch.float32, device="cpu", tokenizer: bool = True):
     """(model, tokenizer) of a Hugging Face causal LM folder; the embedded default when
-    `path` is None."""
+    `path` is None. `tokenizer=False` skips the tokenizer (returns None for it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = path or default_target_path()
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tok
 
