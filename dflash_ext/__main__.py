@@ -35,7 +35,7 @@ def _print_stats(name, res):
     if s["block_size"] > 1:
         steps = max(1, s["steps"])
         print(f"    tau = {s['tau']:.2f} over {s['steps']} steps (block size {s['block_size']}); "
-              f"acceptance histogram (accepted tokens per step 1..B): {s['histogram']}", file=sys.stderr)
+              f"acceptance histogram (steps that accepted 0..B-1 drafts): {s['histogram']}", file=sys.stderr)
         print(f"    per step: draft {1e3 * s['draft_s'] / steps:.1f} ms, verify {1e3 * s['verify_s'] / steps:.1f} ms, "
               f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
 
