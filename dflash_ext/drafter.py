@@ -159,6 +159,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+    def forward(self, x, cos, sin, attend):
+        """One decoder layer over block tokens ``x [..., H]`` at RoPE ``cos/sin`` (broadcast
+        over heads). ``attend(q [..., Hq, D], k, v [..., Hkv, D])`` returns ``[..., Hq, D]``:
+        the attention over the layer's context plus these block keys (inference and
+        training supply it differently; everything else is the same code)."""
+        Hq, Hkv, D = self.heads
+        lead = x.shape[:-1]
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = reference.apply_rope(a.q_norm(a.q_proj(h).view(*lead, Hq, D)), cos, sin)
+        k = reference.apply_rope(a.k_norm(a.k_proj(h).view(*lead, Hkv, D)), cos, sin)
+        v = a.v_proj(h).view(*lead, Hkv, D)
+        x = x + a.o_proj(attend(q, k, v).reshape(*lead, Hq * D))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DraftCache:
@@ -351,25 +367,16 @@ class DFlashDrafter(nn.Module):
         """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings
         of [last accepted token, MASK...]) at ``positions [Bsz, B]``; returns the final-normed
         hidden states [Bsz, B, H]. Block K/V are scratch: the cache is not changed."""
-        c = self.config
-        Bsz, B, H = block_embeds.shape
-        D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         cos, sin = self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
         attention = ops.block_attention if fused else reference.block_attention
         offsets, lens = cache.offsets, cache.lens_tensor()
+        scale = self.config.head_dim ** -0.5
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = reference.apply_rope(a.q_norm(a.q_proj(h).view(Bsz, B, Hq, D)), cos, sin)
-            k = reference.apply_rope(a.k_norm(a.k_proj(h).view(Bsz, B, Hkv, D)), cos, sin)
-            v = a.v_proj(h).view(Bsz, B, Hkv, D)
-            o = attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, D ** -0.5, cache.window)
-            x = x + a.o_proj(o.reshape(Bsz, B, Hq * D))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens,
+                                                             scale, cache.window))
         return self.norm(x)
-
 
     # ------------------------------------------------------------------ training forward
     def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
@@ -387,7 +394,7 @@ class DFlashDrafter(nn.Module):
         c = self.config
         S = features.shape[0]
         nb, B, H = block_embeds.shape
-        D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        D, Hkv = c.head_dim, c.num_key_value_heads
         cos, sin = self.rope_tables(S + B)
         ctx = self.hidden_norm(self.fc(features))
         cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
@@ -400,15 +407,14 @@ class DFlashDrafter(nn.Module):
             a = layer.self_attn
             k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
             v_ctx = a.v_proj(ctx).view(S, Hkv, D)
-            h = layer.input_layernorm(x)
-            q = reference.apply_rope(a.q_norm(a.q_proj(h).view(nb * B, Hq, D)), cos_b, sin_b)
-            k = reference.apply_rope(a.k_norm(a.k_proj(h).view(nb * B, Hkv, D)), cos_b, sin_b)
-            v = a.v_proj(h).view(nb * B, Hkv, D)
-            keys = torch.cat([k_ctx, k]).transpose(0, 1)[None]    # [1, Hkv, S + nb*B, D]
-            values = torch.cat([v_ctx, v]).transpose(0, 1)[None]
-            o = _masked_attention(q.transpose(0, 1)[None], keys, values, attn_mask, D ** -0.5)
-            x = x + a.o_proj(o[0].transpose(0, 1).reshape(nb * B, Hq * D))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+            def attend(q, k, v):  # context rows then block rows, under the block-sparse mask
+                keys = torch.cat([k_ctx, k]).transpose(0, 1)[None]  # [1, Hkv, S + nb*B, D]
+                values = torch.cat([v_ctx, v]).transpose(0, 1)[None]
+                o = _masked_attention(q.transpose(0, 1)[None], keys, values, attn_mask, D ** -0.5)
+                return o[0].transpose(0, 1)
+
+            x = layer(x, cos_b, sin_b, attend)
         return self.norm(x).view(nb, B, H)
 
 
