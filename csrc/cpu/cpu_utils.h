@@ -3,9 +3,11 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -85,6 +87,13 @@ inline F32Rows rows_as_f32(const T* src, int64_t rows, int64_t cols, int64_t ld,
     for (int64_t r = 0; r < rows; ++r) to_float(src + r * ld, buf.data() + r * cols, cols);
     return {buf.data(), cols};
   }
+}
+
+// Weight rows per parallel GEMM tile for `rows` output columns: about four tiles per
+// thread, 16..128 rows (a converted tile of 128 rows stays in L2).
+inline int64_t weight_rows_per_tile(int64_t rows) {
+  const int64_t tiles = 4 * at::get_num_threads();
+  return std::clamp<int64_t>((rows + tiles - 1) / tiles, 16, 128);
 }
 
 // C[m, n] = sum_k A[m, k] * float(B[n, k]) + beta * C[m, n] for a few rows of A: one

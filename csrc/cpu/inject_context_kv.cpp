@@ -50,8 +50,7 @@ void inject_impl(const at::Tensor& ctx, const at::Tensor& k_weight, const at::Te
   // Projections of every layer: proj[Tv, 2*NK], K columns first, then V.
   std::vector<float> proj(Tv * 2 * NK);
   const T* weights[2] = {k_weight.data_ptr<T>(), v_weight.data_ptr<T>()};
-  const int64_t threads = at::get_num_threads();
-  const int64_t block = std::clamp<int64_t>((2 * NK + 4 * threads - 1) / (4 * threads), 16, 128);
+  const int64_t block = weight_rows_per_tile(2 * NK);
   const int64_t blocks_per_half = (NK + block - 1) / block;
   at::parallel_for(0, 2 * blocks_per_half, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> w_buf;

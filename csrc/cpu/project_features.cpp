@@ -42,8 +42,7 @@ void project_features_impl(const std::vector<at::Tensor>& features, const at::Te
   at::Tensor acc = std::is_same_v<T, float> ? out : at::empty({T_, H_out}, out.options().dtype(at::kFloat));
   float* c = acc.data_ptr<float>();
 
-  const int64_t threads = at::get_num_threads();
-  const int64_t block = std::clamp<int64_t>((H_out + 4 * threads - 1) / (4 * threads), 16, 128);
+  const int64_t block = weight_rows_per_tile(H_out);
   const int64_t num_blocks = (H_out + block - 1) / block;
   at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> w_buf;
