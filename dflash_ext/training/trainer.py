@@ -9,6 +9,7 @@ every (epoch, record) come from seeded generators that do not depend on the rank
 each optimizer step averages the loss over one global batch, so a run on N processes
 follows the one-process run with the same global batch.
 """
+import contextlib
 import json
 import math
 import os
@@ -97,7 +98,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     if cfg.batch_size % world:
         raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {world} processes")
     local_batch = cfg.batch_size // world
-    records = [r for r in load_records(cfg.data)]
+    records = load_records(cfg.data)
     store = FeatureStore(cfg.data)
     records = [r for r in records
                if r["id"] in store and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] > cfg.block_size]
@@ -169,7 +170,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
                 mask = create_block_mask(block_mask_mod(anchors, ids.numel(), cfg.block_size), None, None,
                                          n_q, ids.numel() + n_q, device=device)
             last = i == len(mine) - 1
-            sync = model.no_sync() if (world > 1 and not last) else _null()
+            sync = model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
             with sync, torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=use_autocast):
                 loss, acc = sequence_loss(model, frozen, ids, feats, anchors, cfg.block_size, gamma, mask)
                 (loss / local_batch).backward()
@@ -189,11 +190,3 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         if step % cfg.save_every == 0 or step == total:
             save()
     return drafter
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
