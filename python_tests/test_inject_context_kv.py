@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import dflash_ext
 
-from helpers import DEVICES, DTYPES, check_inject, make_inject_inputs
+from helpers import DEVICES, DTYPES, HAS_CUDA, check_inject, make_inject_inputs
 
 # (T, H, N, Hkv, D): every value of T {1, 7, 16, 300}, H {64, 576, 1024}, N {1, 5},
 # Hkv {3, 4, 8} (the KV heads of the (Hq, Hkv) grid) and D {64, 128} appears with each dtype.
@@ -156,3 +156,17 @@ def test_blas_fallback_single_token_unusual_stride(blas_fallback):
 def test_property_fp32(T, H, N, Hkv, half_D, extra_S, P, skip, seed):
     check_inject(make_inject_inputs(T, H, N, Hkv, 2 * half_D, S=T + extra_S, P=P, seed=seed,
                                     skip_frac=skip))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,N,Hkv,D", [
+    pytest.param(1, 4096, 5, 8, 128, id="qwen3-decode"),
+    pytest.param(16, 4096, 5, 8, 128, id="qwen3-block"),
+    pytest.param(2048, 4096, 5, 8, 128, id="qwen3-prefill"),
+    pytest.param(16, 576, 3, 3, 64, id="smollm2-block"),
+    pytest.param(9, 100, 2, 2, 64, id="H-not-multiple-of-8"),
+    pytest.param(9, 256, 2, 2, 96, id="D-96-simple-path"),
+])
+def test_cuda_model_shapes_and_fallbacks(T, H, N, Hkv, D, dtype):
+    check_inject(make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, device="cuda", seed=T + N))

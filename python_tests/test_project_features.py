@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 import dflash_ext
 from dflash_ext import reference
 
-from helpers import DEVICES, DTYPES, assert_close, check_op, make_project_inputs
+from helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_op, make_project_inputs
 
 
 def check_project(feats, fc_weight, norm_weight, eps):
@@ -126,3 +126,32 @@ def test_property_fp32(T, H, k, H_out, layout, seed):
     feats, w, nw, eps = make_project_inputs(T, H, k, H_out, seed=seed, layout=layout)
     out = dflash_ext.project_features(feats, w, nw, eps)
     assert_close(out, reference.project_features(feats, w, nw, eps))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,k,H_out", [
+    pytest.param(1, 4096, 5, 4096, id="qwen3-decode"),
+    pytest.param(16, 4096, 5, 4096, id="qwen3-block"),
+    pytest.param(2000, 4096, 5, 4096, id="qwen3-prefill"),
+    pytest.param(16, 576, 20, 576, id="more-features-than-kernel-slots"),
+    pytest.param(5, 100, 3, 72, id="H-not-multiple-of-8"),
+])
+def test_cuda_model_shapes_and_fallbacks(T, H, k, H_out, dtype):
+    """Drafter shapes (split-K at small T, many M tiles at prefill) and the shapes that
+    take the SIMT path in bf16/fp16."""
+    check_project(*make_project_inputs(T, H, k, H_out, dtype=dtype, device="cuda", seed=T + k))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_misaligned_feature_views(dtype):
+    """A feature view that starts 1 element into its buffer cannot use 16-byte loads."""
+    feats, w, nw, eps = make_project_inputs(16, 576, 3, dtype=dtype, device="cuda", seed=5)
+    shifted = []
+    for f in feats:
+        buf = torch.empty(f.numel() + 1, dtype=dtype, device="cuda")
+        view = buf[1:].view(f.shape)
+        view.copy_(f)
+        shifted.append(view)
+    check_project(shifted, w, nw, eps)

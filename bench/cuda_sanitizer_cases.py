@@ -1,0 +1,77 @@
+"""Small CUDA cases of every op, one kernel path each, for `compute-sanitizer`:
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/cuda_sanitizer_cases.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/cuda_sanitizer_cases.py --quick
+
+Each case runs the op once and compares it with the fp32 reference (a loose check: the
+tests hold the tolerances; this script is about memory errors). Exits non-zero on a
+mismatch. Paths covered: tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV
+with the combine, empty splits) and the SIMT kernels (fp32, odd shapes).
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python_tests"))
+import dflash_ext  # noqa: E402
+from dflash_ext import reference  # noqa: E402
+from helpers import make_attention_inputs, make_inject_inputs, make_project_inputs  # noqa: E402
+
+QUICK = "--quick" in sys.argv[1:]  # bf16 and the first two shapes of each op (racecheck is slow)
+DTYPES = [torch.bfloat16] if QUICK else [torch.bfloat16, torch.float16, torch.float32]
+failures = []
+
+
+def shapes(cases):
+    return cases[:2] if QUICK else cases
+
+
+def compare(name, out, ref):
+    err = (out.float() - ref.float()).abs().max().item()
+    bound = 0.05 * ref.float().abs().max().item() + 1e-3
+    status = "ok" if err <= bound else "MISMATCH"
+    if status != "ok":
+        failures.append(name)
+    print(f"{name:60s} max|err| {err:.3g} (bound {bound:.3g}) {status}", flush=True)
+
+
+def project_cases():
+    for dtype in DTYPES:
+        for T, H, k, H_out in shapes([(1, 576, 3, 576), (16, 1024, 5, 1024), (70, 128, 2, 200), (3, 100, 2, 40)]):
+            feats, w, nw, eps = make_project_inputs(T, H, k, H_out, dtype=dtype, device="cuda", seed=T)
+            out = dflash_ext.project_features(feats, w, nw, eps)
+            compare(f"project_features {dtype} T={T} H={H} k={k} H_out={H_out}", out,
+                    reference.project_features(feats, w, nw, eps))
+
+
+def inject_cases():
+    for dtype in DTYPES:
+        for T, H, N, Hkv, D in shapes([(1, 576, 3, 3, 64), (16, 1024, 2, 2, 128), (70, 256, 1, 2, 64), (5, 100, 2, 1, 96)]):
+            inp = make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, device="cuda", seed=T, sentinel=0.0)
+            k_ref, v_ref = inp.k_cache.clone(), inp.v_cache.clone()
+            dflash_ext.inject_context_kv(*inp.args())
+            reference.inject_context_kv(*inp.args(k_ref, v_ref))
+            compare(f"inject_context_kv {dtype} T={T} H={H} N={N} Hkv={Hkv} D={D}",
+                    torch.cat([inp.k_cache, inp.v_cache]), torch.cat([k_ref, v_ref]))
+
+
+def attention_cases():
+    for dtype in DTYPES:
+        for lens, Bq, Hq, Hkv, D, window in shapes([([100], 16, 4, 1, 64, 0), ([3000, 0, 40], 16, 8, 2, 128, 0),
+                                                    ([5000], 3, 6, 2, 64, 700), ([50, 9], 4, 4, 4, 96, 0)]):
+            inp = make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype, device="cuda",
+                                        seed=Bq, poison=False)
+            out = dflash_ext.block_attention(*inp.args())
+            compare(f"block_attention {dtype} lens={lens} Bq={Bq} Hq={Hq} Hkv={Hkv} D={D} window={window}",
+                    out, reference.block_attention(*inp.args()))
+
+
+if __name__ == "__main__":
+    assert torch.cuda.is_available(), "this script needs a CUDA device"
+    project_cases()
+    inject_cases()
+    attention_cases()
+    torch.cuda.synchronize()
+    print(f"{len(failures)} mismatches" + (f": {failures}" if failures else ""))
+    sys.exit(1 if failures else 0)

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The whole GPU check of dflash_ext in one run, for a machine with a CUDA GPU, nvcc and a
+# CUDA build of torch, and no internet:
+#   1. records the machine (nvidia-smi, torch, compute capability);
+#   2. installs the CUTLASS/CuTe headers from the wheel carried in bench/wheels/;
+#   3. builds the extension in place against the local torch (every .cu file, one
+#      architecture each, with its ptxas report);
+#   4. runs the op tests (CPU and CUDA cases) and the SASS/spill checks;
+#   5. runs compute-sanitizer memcheck (all small cases) and racecheck (a few) on
+#      bench/cuda_sanitizer_cases.py;
+#   6. runs bench/bench_ops.py on CUDA (medians, GB/s against the measured copy
+#      bandwidth, block_attention against SDPA).
+# Usage: bench/gpu_check.sh [OUT_DIR]   (default: $OUT, else ./gpu_check_out)
+# Every step logs to OUT_DIR/<step>.log; OUT_DIR/summary.txt has one line per step; the
+# exit code is non-zero when any step failed. PYTHON picks the interpreter (python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+if [ -z "${CUDA_HOME:-}" ]; then
+  for c in /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /x/x/x)")")")"; do
+    if [ -x "$c/bin/nvcc" ]; then export CUDA_HOME=$c; break; fi
+  done
+fi
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
+failed=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and seconds
+  local name=$1 limit=$2 start rc
+  shift 2
+  echo "== $name: $*"
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$SUMMARY"
+  tail -n 4 "$OUT_DIR/$name.log"
+  [ "$rc" -eq 0 ] || failed=1
+  return "$rc"
+}
+
+machine() {
+  nvidia-smi || true
+  "$PY" - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "cc", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count,
+          "memory GiB", round(p.total_memory / 2**30, 1))
+PY
+  "$CUDA_HOME/bin/nvcc" --version
+  git log -1 --format='commit %H %s' 2>/dev/null || true
+}
+
+SITE="$OUT_DIR/.site"  # the CUTLASS headers (a few MB); nothing else is installed
+install_cutlass() {
+  rm -rf "$SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" bench/wheels/nvidia_cutlass-*.whl
+}
+
+build() {
+  rm -rf build/cuda_objects
+  "$PY" setup.py build_ext --inplace
+  mkdir -p "$OUT_DIR/ptxas" && cp build/cuda_objects/*.ptxas.txt "$OUT_DIR/ptxas/"
+}
+
+step machine 60 machine
+step install_cutlass 120 install_cutlass
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if ! step build 900 build; then
+  echo "build failed: see $OUT_DIR/build.log" | tee -a "$SUMMARY"
+  exit 1
+fi
+step tests 900 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/tests.xml" \
+  python_tests/test_project_features.py python_tests/test_inject_context_kv.py \
+  python_tests/test_block_attention.py python_tests/test_bad_inputs.py \
+  python_tests/test_compile_opcheck.py python_tests/test_cuda_build.py
+step memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" bench/cuda_sanitizer_cases.py
+step racecheck 600 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" bench/cuda_sanitizer_cases.py --quick
+step bench_ops 900 "$PY" bench/bench_ops.py --device cuda --dtype bfloat16 --tokens 1 4 16 \
+  --contexts 512 4096 16384 32768 --batch 1 16 --budget 0.3 --json "$OUT_DIR/bench_ops_cuda.json"
+cat "$SUMMARY"
+exit "$failed"

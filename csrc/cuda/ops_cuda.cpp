@@ -1,0 +1,200 @@
+// CUDA implementations of the dflash_ext ops: input checks (shared with the CPU path),
+// workspaces, and dispatch to the launchers of the device's architecture:
+//   compute capability 9.0 -> sm_90a (wgmma), 10.0 -> sm_100a (mma.sync),
+//   any other 8.x or newer -> sm_80 (mma.sync; its PTX is JIT-compiled above 8.x).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <array>
+#include <mutex>
+#include <vector>
+
+#include "dflash/checks.h"
+#include "dflash/cuda/params.h"
+
+namespace dflash::cuda {
+namespace {
+
+struct ArchLaunchers {
+  const char* name;
+  bool (*project_features_plan)(ProjectFeaturesParams&, int);
+  void (*project_features)(const ProjectFeaturesParams&, cudaStream_t);
+  bool (*inject_context_kv_plan)(const InjectParams&);
+  void (*inject_context_kv)(const InjectParams&, cudaStream_t);
+  bool (*block_attention_plan)(BlockAttentionParams&, int);
+  void (*block_attention)(const BlockAttentionParams&, cudaStream_t);
+};
+
+#define DFLASH_ARCH_LAUNCHERS(arch)                                                            \
+  ArchLaunchers{#arch, &arch::project_features_plan, &arch::project_features,                 \
+                &arch::inject_context_kv_plan, &arch::inject_context_kv,                      \
+                &arch::block_attention_plan, &arch::block_attention}
+
+struct DeviceInfo {
+  const ArchLaunchers* launchers;
+  int num_sms;
+};
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "dflash_ext: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+// Architecture and SM count of `device`, looked up once per device.
+const DeviceInfo& device_info(const at::Device& device) {
+  static const ArchLaunchers sm80 = DFLASH_ARCH_LAUNCHERS(sm80);
+  static const ArchLaunchers sm90a = DFLASH_ARCH_LAUNCHERS(sm90a);
+  static const ArchLaunchers sm100a = DFLASH_ARCH_LAUNCHERS(sm100a);
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> cache;
+  const int index = device.index();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (index >= static_cast<int>(cache.size())) cache.resize(index + 1, DeviceInfo{nullptr, 0});
+  DeviceInfo& info = cache[index];
+  if (info.launchers == nullptr) {
+    int major = 0, minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index), "reading the compute capability");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index), "reading the compute capability");
+    check_cuda(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index), "reading the SM count");
+    TORCH_CHECK(major >= 8, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
+                device, " has ", major, ".", minor);
+    info.launchers = (major == 9 && minor == 0) ? &sm90a : (major == 10 && minor == 0) ? &sm100a : &sm80;
+  }
+  return info;
+}
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+  }
+}
+
+at::Tensor project_features_cuda(at::TensorList features, const at::Tensor& fc_weight,
+                                 const at::Tensor& norm_weight, double eps) {
+  const auto dims = check_project_features(features, fc_weight, norm_weight, eps);
+  const c10::cuda::CUDAGuard guard(features[0].device());
+  auto out = at::empty({dims.T, dims.H_out}, features[0].options());
+  if (out.numel() == 0) return out;
+  std::vector<at::Tensor> feats;
+  for (const auto& f : features) feats.push_back(f.contiguous());
+  if (static_cast<int>(feats.size()) > kMaxFeatures) feats = {at::cat(feats, 1)};  // rare: many layers
+  const auto weight = fc_weight.contiguous(), norm = norm_weight.contiguous();
+  ProjectFeaturesParams p{};
+  for (size_t j = 0; j < feats.size(); ++j) p.features[j] = feats[j].data_ptr();
+  p.k = static_cast<int>(feats.size());
+  p.T = static_cast<int>(dims.T);
+  p.H = static_cast<int>(feats[0].size(1));
+  p.H_out = static_cast<int>(dims.H_out);
+  p.fc_weight = weight.data_ptr();
+  p.norm_weight = norm.data_ptr();
+  p.out = out.data_ptr();
+  p.eps = static_cast<float>(eps);
+  p.dtype = dtype_of(out);
+  const auto& info = device_info(out.device());
+  info.launchers->project_features_plan(p, info.num_sms);
+  auto workspace = at::empty({p.splits, dims.T, dims.H_out}, out.options().dtype(at::kFloat));
+  p.workspace = workspace.data_ptr<float>();
+  info.launchers->project_features(p, c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+void inject_context_kv_cuda(const at::Tensor& ctx, const at::Tensor& k_weight,
+                            const at::Tensor& v_weight, const at::Tensor& k_norm_weight,
+                            const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& positions, const at::Tensor& slots,
+                            at::Tensor& k_cache, at::Tensor& v_cache, double eps) {
+  const auto d = check_inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin,
+                                         positions, slots, k_cache, v_cache, eps);
+  // Index values are checked on the host (one small copy): a bad slot must be an error,
+  // never a write outside the cache.
+  check_inject_indices(positions.cpu(), slots.cpu(), d.P, d.S);
+  if (d.T == 0 || d.N == 0 || d.Hkv == 0 || d.D == 0) return;
+  const c10::cuda::CUDAGuard guard(ctx.device());
+  const auto x = ctx.contiguous(), kw = k_weight.contiguous(), vw = v_weight.contiguous();
+  const auto kn = k_norm_weight.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const auto pos = positions.contiguous(), sl = slots.contiguous();
+  InjectParams p{};
+  p.ctx = x.data_ptr();
+  p.k_weight = kw.data_ptr();
+  p.v_weight = vw.data_ptr();
+  p.k_norm_weight = kn.data_ptr();
+  p.cos = c.data_ptr();
+  p.sin = s.data_ptr();
+  p.positions = pos.data_ptr<int64_t>();
+  p.slots = sl.data_ptr<int64_t>();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.T = static_cast<int>(d.T);
+  p.H = static_cast<int>(d.H);
+  p.N = static_cast<int>(d.N);
+  p.Hkv = static_cast<int>(d.Hkv);
+  p.D = static_cast<int>(d.D);
+  p.S = d.S;
+  p.eps = static_cast<float>(eps);
+  p.dtype = dtype_of(ctx);
+  device_info(ctx.device()).launchers->inject_context_kv(p, c10::cuda::getCurrentCUDAStream());
+}
+
+at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
+                                const at::Tensor& v_block, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& cache_offsets,
+                                const at::Tensor& cache_lens, double scale, int64_t window) {
+  const auto d = check_block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets,
+                                       cache_lens, scale, window);
+  const auto offsets_cpu = cache_offsets.cpu(), lens_cpu = cache_lens.cpu();
+  check_cache_ranges(offsets_cpu, lens_cpu, d.S);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto qc = q.contiguous(), kb = k_block.contiguous(), vb = v_block.contiguous();
+  auto out = at::empty_like(qc);
+  if (out.numel() == 0) return out;
+  int64_t max_keys = 0;
+  const int64_t* lens = lens_cpu.data_ptr<int64_t>();
+  for (int64_t b = 0; b < d.Bsz; ++b)
+    max_keys = std::max(max_keys, (window > 0 ? std::min(lens[b], window) : lens[b]) + d.Bq);
+  const auto offs = cache_offsets.contiguous(), lns = cache_lens.contiguous();
+  BlockAttentionParams p{};
+  p.q = qc.data_ptr();
+  p.k_block = kb.data_ptr();
+  p.v_block = vb.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.cache_offsets = offs.data_ptr<int64_t>();
+  p.cache_lens = lns.data_ptr<int64_t>();
+  p.out = out.data_ptr();
+  p.Bsz = static_cast<int>(d.Bsz);
+  p.Bq = static_cast<int>(d.Bq);
+  p.Hq = static_cast<int>(d.Hq);
+  p.Hkv = static_cast<int>(d.Hkv);
+  p.D = static_cast<int>(d.D);
+  p.S = d.S;
+  p.window = window;
+  p.max_keys = max_keys;
+  p.scale = static_cast<float>(scale);
+  p.dtype = dtype_of(q);
+  const auto& info = device_info(q.device());
+  const bool tensor_cores = info.launchers->block_attention_plan(p, info.num_sms);
+  TORCH_CHECK(tensor_cores || d.D <= 256, "block_attention on CUDA takes head dims up to 256 (",
+              "64 and 128 in bf16/fp16 on tensor cores), got D=", d.D);
+  at::Tensor partial_out, partial_lse;
+  if (p.splits > 1) {
+    partial_out = at::empty({p.splits, d.Bsz, d.Bq, d.Hq, d.D}, q.options().dtype(at::kFloat));
+    partial_lse = at::empty({p.splits, d.Bsz, d.Bq, d.Hq}, q.options().dtype(at::kFloat));
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_lse = partial_lse.data_ptr<float>();
+  }
+  info.launchers->block_attention(p, c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+}  // namespace
+}  // namespace dflash::cuda
+
+TORCH_LIBRARY_IMPL(dflash_ext, CUDA, m) {
+  m.impl("project_features", &dflash::cuda::project_features_cuda);
+  m.impl("inject_context_kv", &dflash::cuda::inject_context_kv_cuda);
+  m.impl("block_attention", &dflash::cuda::block_attention_cuda);
+}

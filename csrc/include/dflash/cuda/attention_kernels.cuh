@@ -1,0 +1,211 @@
+// Tensor-core block attention: the Bq draft queries of one sequence attend, non-causally,
+// to that sequence's visible context in the cache followed by its own Bq block keys.
+//   - GQA packing: the Bq x group query rows that share a KV head form the M dimension
+//     (16 x 4 = 64 rows = one wgmma warpgroup), so each K/V tile is read once per KV head.
+//   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp
+//     and block_attention_combine merges them (splits == 1 writes the output directly).
+//   - Online softmax with the S tile staged in shared memory: two threads own a row, and
+//     the P tile is written back as the A operand of P*V (V is read MN-major).
+// Requirements (checked by the plan function, else the SIMT path runs): bf16/fp16,
+// D in {64, 128}.
+#pragma once
+#include <cmath>
+
+#include "dflash/cuda/tile_gemm.cuh"
+
+namespace dflash::cuda::DFLASH_ARCH_NS {
+
+inline constexpr int kAttnBM = 64;  // packed query rows per CTA
+inline constexpr int kAttnBN = 64;  // keys per tile
+
+template <int D>
+constexpr int attention_smem_bytes(int elem_bytes) {
+  return (kAttnBM * D + 4 * kAttnBN * D + kAttnBM * kAttnBN) * elem_bytes  // Q, 2x(K,V), P
+         + kAttnBM * (kAttnBN + 4) * 4                                     // S (fp32)
+         + 3 * kAttnBM * 4;                                                 // m, l, alpha
+}
+
+// Keys [0, n_ctx) come from the cache rows [start, start + n_ctx), keys [n_ctx, n_ctx + Bq)
+// from the sequence's block.
+struct KeyRange {
+  int64_t start;
+  int n_ctx, total;
+};
+
+__device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
+  const int64_t off = p.cache_offsets[b], n = p.cache_lens[b];
+  const int64_t visible = (p.window > 0 && n > p.window) ? p.window : n;
+  return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kTileThreads)
+block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
+  constexpr int BM = kAttnBM, BN = kAttnBN;
+  using GemmQK = TileGemm<T, BM, BN, D, false>;   // S = Q K^T
+  using GemmPV = TileGemm<T, BM, D, BN, true>;    // O += P V
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // Every buffer starts on a 1024-byte boundary: the 128-byte swizzle repeats every 1 KiB
+  // and wgmma applies it to the address bits.
+  T* q_ptr = reinterpret_cast<T*>(smem_raw);
+  T* k_ptr = q_ptr + BM * D;
+  T* v_ptr = k_ptr + 2 * BN * D;
+  T* p_ptr = v_ptr + 2 * BN * D;
+  float* s_tile = reinterpret_cast<float*>(p_ptr + BM * BN);
+  float* row_m = s_tile + BM * (BN + 4);
+  float* row_l = row_m + BM;
+  float* row_alpha = row_l + BM;
+  using LayoutK = typename GemmQK::LayoutB;  // (BN keys, D), K-major
+  using LayoutV = typename GemmPV::LayoutB;  // (D, BN keys), MN-major
+  auto sQ = make_tensor(make_smem_ptr(q_ptr), typename GemmQK::LayoutA{});
+  auto sP = make_tensor(make_smem_ptr(p_ptr), typename GemmPV::LayoutA{});
+
+  const int tid = threadIdx.x;
+  const int group = p.Hq / p.Hkv, rows = p.Bq * group;
+  const int b = blockIdx.y / p.Hkv, kvh = blockIdx.y % p.Hkv;
+  const int r0 = blockIdx.x * BM, split = blockIdx.z;
+  const KeyRange keys = key_range(p, b);
+  const int key_begin = split * p.keys_per_split;
+  const int key_end = min(keys.total, key_begin + p.keys_per_split);
+  // Packed row r of this tile is query i = (r0 + r) / group of q head kvh * group + (r0 + r) % group.
+  auto q_row_offset = [&](int r) -> int64_t {
+    const int pr = r0 + r;
+    return ((static_cast<int64_t>(b) * p.Bq + pr / group) * p.Hq + kvh * group + pr % group) * D;
+  };
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const T* k_block = static_cast<const T*>(p.k_block);
+  const T* v_block = static_cast<const T*>(p.v_block);
+  auto key_offset = [&](int j, bool from_block) -> int64_t {
+    return from_block ? ((static_cast<int64_t>(b) * p.Bq + (j - keys.n_ctx)) * p.Hkv + kvh) * D
+                      : ((keys.start + j) * p.Hkv + kvh) * D;
+  };
+  auto load_kv = [&](int tile_begin, int stage) {
+    auto sK = smem_stage<LayoutK>(k_ptr, stage);
+    auto sV = smem_stage<LayoutV>(v_ptr, stage);
+    constexpr int kChunks = D / 8;
+    for (int c = tid; c < BN * kChunks; c += kTileThreads) {
+      const int jj = c / kChunks, d = (c % kChunks) * 8, j = tile_begin + jj;
+      const bool valid = j < key_end, from_block = j >= keys.n_ctx;
+      const int64_t o = valid ? key_offset(j, from_block) + d : 0;
+      cp_async_16(&sK(jj, d), (from_block ? k_block : k_cache) + o, valid);
+      cp_async_16(&sV(d, jj), (from_block ? v_block : v_cache) + o, valid);
+    }
+  };
+
+  if (key_begin >= key_end) {  // an empty split (splits > 1): it adds nothing to the combine
+    const int64_t split_base = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq;
+    for (int r = tid; r < BM && r0 + r < rows; r += kTileThreads) {
+      const int64_t row = split_base + q_row_offset(r) / D;
+      p.partial_lse[row] = -INFINITY;
+      for (int d = 0; d < D; ++d) p.partial_out[row * D + d] = 0.f;
+    }
+    return;
+  }
+
+  for (int c = tid; c < BM * (D / 8); c += kTileThreads) {
+    const int r = c / (D / 8), d = (c % (D / 8)) * 8;
+    const bool valid = r0 + r < rows;
+    cp_async_16(&sQ(r, d), q + (valid ? q_row_offset(r) + d : 0), valid);
+  }
+  load_kv(key_begin, 0);
+  cp_async_fence();
+  if (tid < BM) {
+    row_m[tid] = -INFINITY;
+    row_l[tid] = 0.f;
+  }
+
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float scale_log2 = p.scale * kLog2e;
+  auto o_acc = GemmPV::make_acc();
+  auto o_coords = GemmPV::acc_coords(tid);
+  auto s_coords = GemmQK::acc_coords(tid);
+  const int n_tiles = (key_end - key_begin + BN - 1) / BN;
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it % 2, tile_begin = key_begin + it * BN;
+    cp_async_wait<0>();
+    smem_writes_to_mma();
+    __syncthreads();  // K/V tile `it` visible; everyone is done with tile it-1
+    if (it + 1 < n_tiles) load_kv(tile_begin + BN, stage ^ 1);
+    cp_async_fence();
+
+    auto s_acc = GemmQK::make_acc();
+    GemmQK::run(sQ, smem_stage<LayoutK>(k_ptr, stage), s_acc, tid);
+    CUTE_UNROLL
+    for (int i = 0; i < size(s_acc); ++i) {
+      const int r = get<0>(s_coords(i)), c = get<1>(s_coords(i));
+      s_tile[r * (BN + 4) + c] = tile_begin + c < key_end ? s_acc(i) * scale_log2 : -INFINITY;
+    }
+    __syncthreads();
+
+    {  // online softmax, log2 domain: two threads per row, 32 columns each
+      const int r = tid / 2, c0 = (tid % 2) * (BN / 2);
+      const float* s_row = s_tile + r * (BN + 4) + c0;
+      float mx = -INFINITY;
+      for (int c = 0; c < BN / 2; ++c) mx = fmaxf(mx, s_row[c]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      const float m_old = row_m[r], m_new = fmaxf(m_old, mx);  // finite: every tile has a key
+      float sum = 0.f;
+      for (int c = 0; c < BN / 2; ++c) {
+        const float e = exp2f(s_row[c] - m_new);
+        const T e_t = from_float<T>(e);
+        sP(r, c0 + c) = e_t;
+        sum += to_float(e_t);  // l sums exactly the P that multiplies V
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      __syncwarp();
+      if (tid % 2 == 0) {
+        const float alpha = exp2f(m_old - m_new);  // 0 on the first tile
+        row_alpha[r] = alpha;
+        row_l[r] = row_l[r] * alpha + sum;
+        row_m[r] = m_new;
+      }
+    }
+    smem_writes_to_mma();
+    __syncthreads();
+    CUTE_UNROLL
+    for (int i = 0; i < size(o_acc); ++i) o_acc(i) *= row_alpha[get<0>(o_coords(i))];
+    GemmPV::run(sP, smem_stage<LayoutV>(v_ptr, stage), o_acc, tid);
+  }
+  __syncthreads();  // row_l / row_m final
+
+  CUTE_UNROLL
+  for (int i = 0; i < size(o_acc); ++i) {
+    const int r = get<0>(o_coords(i)), d = get<1>(o_coords(i));
+    if (r0 + r >= rows) continue;
+    const float o = o_acc(i) / row_l[r];
+    if (p.splits == 1) {
+      static_cast<T*>(p.out)[q_row_offset(r) + d] = from_float<T>(o);
+    } else {
+      p.partial_out[static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq * D + q_row_offset(r) + d] = o;
+    }
+  }
+  if (p.splits > 1 && tid < BM && r0 + tid < rows) {
+    const int64_t row = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq + q_row_offset(tid) / D;
+    p.partial_lse[row] = row_m[tid] / kLog2e + logf(row_l[tid]);
+  }
+}
+
+// out[row] = sum_s exp(lse_s - max) * O_s / sum_s exp(lse_s - max), one block per
+// (b, i, h) row; the partial outputs are already normalized by their own l.
+template <class T>
+__global__ void block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
+  const int64_t row = blockIdx.x;
+  const int64_t rows = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;
+  float lse_max = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) lse_max = fmaxf(lse_max, p.partial_lse[s * rows + row]);
+  float denom = 0.f;
+  for (int s = 0; s < p.splits; ++s) denom += expf(p.partial_lse[s * rows + row] - lse_max);
+  for (int d = threadIdx.x; d < p.D; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = expf(p.partial_lse[s * rows + row] - lse_max);
+      if (w > 0.f) acc += w * p.partial_out[(s * rows + row) * p.D + d];
+    }
+    static_cast<T*>(p.out)[row * p.D + d] = from_float<T>(acc / denom);
+  }
+}
+
+}  // namespace dflash::cuda::DFLASH_ARCH_NS

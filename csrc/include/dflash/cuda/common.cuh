@@ -1,0 +1,86 @@
+// Device helpers shared by the dflash CUDA kernels: element types, conversions, warp
+// reductions, 16-byte cp.async with zero fill, and launch error checks.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "dflash/cuda/params.h"
+
+// Each .cu file includes the kernel headers once for one architecture and names that
+// architecture's namespace here, so the kernels of different files never share a symbol.
+#ifndef DFLASH_ARCH_NS
+#error "define DFLASH_ARCH_NS (sm80, sm90a, sm100a) before including the dflash CUDA kernels"
+#endif
+
+namespace dflash::cuda::DFLASH_ARCH_NS {
+
+inline void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("dflash_ext: launch of ") + what + " failed: " +
+                             cudaGetErrorString(err));
+}
+
+inline void set_smem_limit(const void* kernel, int bytes, const char* what) {
+  if (bytes > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("dflash_ext: ") + what + " needs " +
+                               std::to_string(bytes) + " bytes of shared memory: " +
+                               cudaGetErrorString(err));
+  }
+}
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(cutlass::bfloat16_t x) { return float(x); }
+__device__ __forceinline__ float to_float(cutlass::half_t x) { return float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x) { return T(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// 16-byte global->shared copy; copies zeros when !pred (src is then not read).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+// Calls f.template operator()<T>() with T the CUTLASS type of `dtype` (16-bit types only).
+template <class F>
+void dispatch_half_types(DType dtype, F&& f) {
+  if (dtype == DType::kBFloat16) f.template operator()<cutlass::bfloat16_t>();
+  else if (dtype == DType::kFloat16) f.template operator()<cutlass::half_t>();
+  else throw std::runtime_error("dflash_ext: tensor-core kernels take bfloat16 or float16");
+}
+
+// Calls f.template operator()<T>() for any of the three supported dtypes.
+template <class F>
+void dispatch_all_types(DType dtype, F&& f) {
+  if (dtype == DType::kFloat32) f.template operator()<float>();
+  else dispatch_half_types(dtype, static_cast<F&&>(f));
+}
+
+}  // namespace dflash::cuda::DFLASH_ARCH_NS

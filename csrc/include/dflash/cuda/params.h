@@ -1,0 +1,88 @@
+// Plain parameter blocks passed from the host dispatcher (csrc/cuda/ops_cuda.cpp, which
+// sees torch) to the per-architecture launchers (csrc/cuda/*_sm*.cu, which do not).
+// Every tensor here is contiguous: the dispatcher makes it so.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace dflash::cuda {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// project_features: out = rms_norm(concat(features) @ fc_weight^T) * norm_weight.
+inline constexpr int kMaxFeatures = 16;  // more are concatenated on the host first
+struct ProjectFeaturesParams {
+  const void* features[kMaxFeatures];  // k tensors [T, H]
+  int k, T, H, H_out;
+  const void* fc_weight;    // [H_out, k*H]
+  const void* norm_weight;  // [H_out]
+  void* out;                // [T, H_out]
+  float* workspace;         // [splits, T, H_out] fp32 partial sums
+  int splits;               // split-K factor (set by project_features_plan)
+  int k_tiles_per_split;    // K tiles each split reduces (tensor-core path)
+  bool tensor_cores;        // set by the plan: tensor-core kernel, else the SIMT path
+  float eps;
+  DType dtype;
+};
+
+// inject_context_kv: for every layer n, token t with slots[t] >= 0:
+// k_cache[n, slots[t]] = rope(rms_norm(ctx[t] @ k_weight[n]^T per head)), v_cache likewise.
+struct InjectParams {
+  const void* ctx;            // [T, H]
+  const void* k_weight;       // [N, Hkv*D, H]
+  const void* v_weight;       // [N, Hkv*D, H]
+  const void* k_norm_weight;  // [N, D]
+  const void* cos;            // [P, D]
+  const void* sin;            // [P, D]
+  const int64_t* positions;   // [T] in [0, P)
+  const int64_t* slots;       // [T] in [-1, S), -1 = skip
+  void* k_cache;              // [N, S, Hkv, D]
+  void* v_cache;              // [N, S, Hkv, D]
+  int T, H, N, Hkv, D;
+  int64_t S;
+  float eps;
+  DType dtype;
+};
+
+// block_attention: per sequence b the keys are k_cache[start : off+len] ++ k_block[b].
+struct BlockAttentionParams {
+  const void* q;        // [Bsz, Bq, Hq, D]
+  const void* k_block;  // [Bsz, Bq, Hkv, D]
+  const void* v_block;
+  const void* k_cache;  // [S, Hkv, D]
+  const void* v_cache;
+  const int64_t* cache_offsets;  // [Bsz]
+  const int64_t* cache_lens;     // [Bsz]
+  void* out;            // [Bsz, Bq, Hq, D]
+  float* partial_out;   // [splits, Bsz, Bq, Hq, D] fp32 (splits > 1)
+  float* partial_lse;   // [splits, Bsz, Bq, Hq]
+  int Bsz, Bq, Hq, Hkv, D;
+  int64_t S;
+  int64_t window;       // 0 = whole context
+  int64_t max_keys;     // max over b of (visible context + Bq)
+  int splits;           // split-KV factor, 1 = write `out` directly (set by the plan)
+  int keys_per_split;   // a multiple of the kernel's key tile (set by the plan)
+  bool tensor_cores;    // set by the plan: tensor-core kernel, else the SIMT path
+  float scale;
+  DType dtype;
+};
+
+// One set of launchers per compiled architecture (csrc/cuda/*_sm*.cu). A plan function
+// picks the kernel for the problem, fills the scheduling fields (splits) from the SM
+// count, and returns whether the tensor-core kernel runs (false: the SIMT path).
+#define DFLASH_DECLARE_ARCH_LAUNCHERS(arch)                                        \
+  namespace arch {                                                                 \
+  bool project_features_plan(ProjectFeaturesParams& p, int num_sms);               \
+  void project_features(const ProjectFeaturesParams& p, cudaStream_t stream);      \
+  bool inject_context_kv_plan(const InjectParams& p);                              \
+  void inject_context_kv(const InjectParams& p, cudaStream_t stream);              \
+  bool block_attention_plan(BlockAttentionParams& p, int num_sms);                 \
+  void block_attention(const BlockAttentionParams& p, cudaStream_t stream);        \
+  }
+
+DFLASH_DECLARE_ARCH_LAUNCHERS(sm80)
+DFLASH_DECLARE_ARCH_LAUNCHERS(sm90a)
+DFLASH_DECLARE_ARCH_LAUNCHERS(sm100a)
+
+}  // namespace dflash::cuda

@@ -1,0 +1,129 @@
+"""The CUDA kernels as compiled, read without a GPU: every architecture file is in the
+extension, the sm_90a tensor-core kernels issue wgmma (HGMMA), the sm_80 / sm_100a ones
+mma.sync (HMMA), and ptxas reports no spills or local memory for any kernel.
+
+These tests run wherever the extension was built with CUDA (a CUDA build of torch and
+nvcc, as in CI); they skip on a CPU-only build. They check what was compiled, not what
+it computes: the CUDA op tests do that on a GPU."""
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+
+import dflash_ext._C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("dflash_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SETUP = _setup_module()
+DESCRIPTION = SETUP.build_description()
+pytestmark = pytest.mark.skipif(not DESCRIPTION["use_cuda"],
+                                reason="CPU-only build (no CUDA torch or no nvcc): no CUDA kernels compiled")
+
+OPS = ("project_features", "inject_context_kv", "block_attention")
+ARCHES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+
+
+def _cuobjdump():
+    candidates = [shutil.which("cuobjdump"),
+                  os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu13", "bin", "cuobjdump")]
+    for path in candidates:
+        if path and os.path.exists(path):
+            return path
+    pytest.fail("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (requirements.txt)")
+
+
+@pytest.fixture(scope="module")
+def sass():
+    """{arch: {mangled kernel name: SASS text}} of the built extension."""
+    tool = _cuobjdump()
+    env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
+    text = subprocess.run([tool, "--dump-sass", dflash_ext._C.__file__], check=True, env=env,
+                          capture_output=True, text=True).stdout
+    result = {}
+    for block in text.split("Fatbin elf code:")[1:]:
+        arch = re.search(r"arch = (\S+)", block).group(1)
+        functions = re.split(r"\n\s*Function : ", block)[1:]
+        kernels = result.setdefault(arch, {})
+        for f in functions:
+            name, _, body = f.partition("\n")
+            kernels[name.strip()] = body
+    return result
+
+
+def _kernels(sass, arch, pattern):
+    return {name: body for name, body in sass.get(arch, {}).items() if re.search(pattern, name)}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_has_tensor_core_and_simt_kernels_for_every_arch(sass, arch, op):
+    namespace = f"{len(arch)}{arch}"  # Itanium mangling of the per-arch namespace
+    tc = _kernels(sass, ARCHES[arch], rf"{namespace}\d+{op}_tc_kernel")
+    simt = _kernels(sass, ARCHES[arch], rf"{namespace}\d+{op}_simt_kernel")
+    expected_tc = 4 if op != "project_features" else 2  # (bf16, fp16) x head dims {64, 128}
+    assert len(tc) == expected_tc, f"{op} tensor-core kernels for {arch}: {sorted(tc)}"
+    assert len(simt) == 3, f"{op} SIMT kernels for {arch} (fp32, bf16, fp16): {sorted(simt)}"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_sm90a_tensor_core_kernels_use_wgmma(sass, op):
+    kernels = _kernels(sass, "sm_90a", rf"{op}_tc_kernel")
+    assert kernels
+    for name, body in kernels.items():
+        assert "HGMMA" in body, f"{name} (sm_90a) has no HGMMA (wgmma) instruction"
+        assert " HMMA" not in body, f"{name} (sm_90a) falls back to mma.sync"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100a"])
+@pytest.mark.parametrize("op", OPS)
+def test_generic_tensor_core_kernels_use_mma_sync(sass, arch, op):
+    kernels = _kernels(sass, arch, rf"{op}_tc_kernel")
+    assert kernels
+    for name, body in kernels.items():
+        assert " HMMA" in body, f"{name} ({arch}) has no HMMA (mma.sync) instruction"
+        assert "HGMMA" not in body, f"{name} ({arch}) contains wgmma, which traps off Hopper"
+
+
+def test_sm80_file_embeds_ptx_for_newer_gpus():
+    tool = _cuobjdump()
+    listing = subprocess.run([tool, "--list-ptx", dflash_ext._C.__file__], check=True,
+                             capture_output=True, text=True).stdout
+    assert "sm_80.ptx" in listing
+
+
+def _ptxas_reports():
+    reports = {}
+    for source in DESCRIPTION["cuda_sources"]:
+        name = os.path.splitext(os.path.basename(source))[0]
+        path = os.path.join(SETUP.CUDA_OBJECT_DIR, name + ".o.ptxas.txt")
+        assert os.path.exists(path), f"no ptxas report for {source}: rebuild the extension"
+        assert os.path.getmtime(path) >= os.path.getmtime(os.path.join(ROOT, source)), \
+            f"the ptxas report of {source} is older than the source: rebuild the extension"
+        reports[source] = open(path).read()
+    return reports
+
+
+def test_ptxas_reports_no_spills_and_no_stack_for_any_kernel():
+    reports = _ptxas_reports()
+    assert len(reports) == len(OPS) * len(ARCHES)
+    for source, text in reports.items():
+        entries = re.findall(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                             r"(\d+) bytes spill loads", text)
+        assert entries, f"{source}: no -Xptxas -v function properties in its report"
+        for name, stack, stores, loads in entries:
+            assert (int(stack), int(stores), int(loads)) == (0, 0, 0), \
+                f"{source}: {name} uses local memory: {stack} B stack, {stores} B spill stores, {loads} B spill loads"
+        registers = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+        assert registers and max(registers) <= 255, f"{source}: register counts {registers}"
