@@ -122,8 +122,10 @@ def compile_cuda_objects(d, jobs):
     objects = []
     for arch, gencode in CUDA_ARCH_GENCODE.items():
         lines += [f"rule nvcc_{arch}",
-                  f"  command = $nvcc $flags {' '.join(gencode)} -Xptxas -v -c $in -o $out > $out.ptxas.txt 2>&1"
-                  " || (cat $out.ptxas.txt; exit 1)",
+                  f"  command = $nvcc $flags {' '.join(gencode)} -MD -MF $out.d -Xptxas -v -c $in -o $out"
+                  " > $out.ptxas.txt 2>&1 || (cat $out.ptxas.txt; exit 1)",
+                  "  depfile = $out.d",  # rebuild when a kernel header changes
+                  "  deps = gcc",
                   f"  description = nvcc ({arch}) $in"]
     for source in d["cuda_sources"]:
         obj = os.path.join(CUDA_OBJECT_DIR, os.path.splitext(os.path.basename(source))[0] + ".o")

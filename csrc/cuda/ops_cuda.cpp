@@ -19,11 +19,11 @@ namespace {
 
 struct ArchLaunchers {
   const char* name;
-  bool (*project_features_plan)(ProjectFeaturesParams&, int);
+  bool (*project_features_plan)(ProjectFeaturesParams&, const DeviceLimits&);
   void (*project_features)(const ProjectFeaturesParams&, cudaStream_t);
-  bool (*inject_context_kv_plan)(const InjectParams&);
+  bool (*inject_context_kv_plan)(InjectParams&, const DeviceLimits&);
   void (*inject_context_kv)(const InjectParams&, cudaStream_t);
-  bool (*block_attention_plan)(BlockAttentionParams&, int);
+  bool (*block_attention_plan)(BlockAttentionParams&, const DeviceLimits&);
   void (*block_attention)(const BlockAttentionParams&, cudaStream_t);
 };
 
@@ -34,15 +34,16 @@ struct ArchLaunchers {
 
 struct DeviceInfo {
   const ArchLaunchers* launchers;
-  int num_sms;
+  DeviceLimits limits;
 };
 
 void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "dflash_ext: ", what, " failed: ", cudaGetErrorString(err));
 }
 
-// Architecture and SM count of `device`, looked up once per device.
-const DeviceInfo& device_info(const at::Device& device) {
+// Architecture and limits of `device`, looked up once per device (returned by value: the
+// cache may grow while another thread uses an entry).
+DeviceInfo device_info(const at::Device& device) {
   static const ArchLaunchers sm80 = DFLASH_ARCH_LAUNCHERS(sm80);
   static const ArchLaunchers sm90a = DFLASH_ARCH_LAUNCHERS(sm90a);
   static const ArchLaunchers sm100a = DFLASH_ARCH_LAUNCHERS(sm100a);
@@ -50,18 +51,26 @@ const DeviceInfo& device_info(const at::Device& device) {
   static std::vector<DeviceInfo> cache;
   const int index = device.index();
   std::lock_guard<std::mutex> lock(mutex);
-  if (index >= static_cast<int>(cache.size())) cache.resize(index + 1, DeviceInfo{nullptr, 0});
+  if (index >= static_cast<int>(cache.size())) cache.resize(index + 1, DeviceInfo{nullptr, {0, 0}});
   DeviceInfo& info = cache[index];
   if (info.launchers == nullptr) {
     int major = 0, minor = 0;
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index), "reading the compute capability");
     check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index), "reading the compute capability");
-    check_cuda(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index), "reading the SM count");
+    check_cuda(cudaDeviceGetAttribute(&info.limits.num_sms, cudaDevAttrMultiProcessorCount, index), "reading the SM count");
+    check_cuda(cudaDeviceGetAttribute(&info.limits.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, index),
+               "reading the shared memory limit");
     TORCH_CHECK(major >= 8, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
                 device, " has ", major, ".", minor);
     info.launchers = (major == 9 && minor == 0) ? &sm90a : (major == 10 && minor == 0) ? &sm100a : &sm80;
   }
   return info;
+}
+
+// The kernels index with 32-bit sizes.
+int32_t narrow(int64_t value, const char* what) {
+  TORCH_CHECK(value <= INT32_MAX, "dflash_ext CUDA kernels take ", what, " up to 2^31 - 1, got ", value);
+  return static_cast<int32_t>(value);
 }
 
 DType dtype_of(const at::Tensor& t) {
@@ -86,16 +95,16 @@ at::Tensor project_features_cuda(at::TensorList features, const at::Tensor& fc_w
   ProjectFeaturesParams p{};
   for (size_t j = 0; j < feats.size(); ++j) p.features[j] = feats[j].data_ptr();
   p.k = static_cast<int>(feats.size());
-  p.T = static_cast<int>(dims.T);
-  p.H = static_cast<int>(feats[0].size(1));
-  p.H_out = static_cast<int>(dims.H_out);
+  p.T = narrow(dims.T, "T");
+  p.H = narrow(feats[0].size(1), "H");
+  p.H_out = narrow(dims.H_out, "H_out");
   p.fc_weight = weight.data_ptr();
   p.norm_weight = norm.data_ptr();
   p.out = out.data_ptr();
   p.eps = static_cast<float>(eps);
   p.dtype = dtype_of(out);
-  const auto& info = device_info(out.device());
-  info.launchers->project_features_plan(p, info.num_sms);
+  const auto info = device_info(out.device());
+  info.launchers->project_features_plan(p, info.limits);
   auto workspace = at::empty({p.splits, dims.T, dims.H_out}, out.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr<float>();
   info.launchers->project_features(p, c10::cuda::getCurrentCUDAStream());
@@ -128,15 +137,17 @@ void inject_context_kv_cuda(const at::Tensor& ctx, const at::Tensor& k_weight,
   p.slots = sl.data_ptr<int64_t>();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
-  p.T = static_cast<int>(d.T);
-  p.H = static_cast<int>(d.H);
-  p.N = static_cast<int>(d.N);
-  p.Hkv = static_cast<int>(d.Hkv);
-  p.D = static_cast<int>(d.D);
+  p.T = narrow(d.T, "T");
+  p.H = narrow(d.H, "H");
+  p.N = narrow(d.N, "N");
+  p.Hkv = narrow(d.Hkv, "Hkv");
+  p.D = narrow(d.D, "D");
   p.S = d.S;
   p.eps = static_cast<float>(eps);
   p.dtype = dtype_of(ctx);
-  device_info(ctx.device()).launchers->inject_context_kv(p, c10::cuda::getCurrentCUDAStream());
+  const auto info = device_info(ctx.device());
+  info.launchers->inject_context_kv_plan(p, info.limits);
+  info.launchers->inject_context_kv(p, c10::cuda::getCurrentCUDAStream());
 }
 
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
@@ -145,7 +156,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
                                 const at::Tensor& cache_lens, double scale, int64_t window) {
   const auto d = check_block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets,
                                        cache_lens, scale, window);
-  const auto offsets_cpu = cache_offsets.cpu(), lens_cpu = cache_lens.cpu();
+  const auto offsets_cpu = cache_offsets.cpu().contiguous(), lens_cpu = cache_lens.cpu().contiguous();
   check_cache_ranges(offsets_cpu, lens_cpu, d.S);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto qc = q.contiguous(), kb = k_block.contiguous(), vb = v_block.contiguous();
@@ -165,18 +176,18 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   p.cache_offsets = offs.data_ptr<int64_t>();
   p.cache_lens = lns.data_ptr<int64_t>();
   p.out = out.data_ptr();
-  p.Bsz = static_cast<int>(d.Bsz);
-  p.Bq = static_cast<int>(d.Bq);
-  p.Hq = static_cast<int>(d.Hq);
-  p.Hkv = static_cast<int>(d.Hkv);
-  p.D = static_cast<int>(d.D);
+  p.Bsz = narrow(d.Bsz, "Bsz");
+  p.Bq = narrow(d.Bq, "Bq");
+  p.Hq = narrow(d.Hq, "Hq");
+  p.Hkv = narrow(d.Hkv, "Hkv");
+  p.D = narrow(d.D, "D");
   p.S = d.S;
   p.window = window;
-  p.max_keys = max_keys;
+  p.max_keys = narrow(max_keys, "context + Bq keys per sequence");
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_of(q);
-  const auto& info = device_info(q.device());
-  const bool tensor_cores = info.launchers->block_attention_plan(p, info.num_sms);
+  const auto info = device_info(q.device());
+  const bool tensor_cores = info.launchers->block_attention_plan(p, info.limits);
   TORCH_CHECK(tensor_cores || d.D <= 256, "block_attention on CUDA takes head dims up to 256 (",
               "64 and 128 in bf16/fp16 on tensor cores), got D=", d.D);
   at::Tensor partial_out, partial_lse;

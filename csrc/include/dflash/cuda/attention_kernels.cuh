@@ -62,8 +62,8 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
 
   const int tid = threadIdx.x;
   const int group = p.Hq / p.Hkv, rows = p.Bq * group;
-  const int b = blockIdx.y / p.Hkv, kvh = blockIdx.y % p.Hkv;
-  const int r0 = blockIdx.x * BM, split = blockIdx.z;
+  const int b = blockIdx.x / p.Hkv, kvh = blockIdx.x % p.Hkv;
+  const int r0 = blockIdx.y * BM, split = blockIdx.z;
   const KeyRange keys = key_range(p, b);
   const int key_begin = split * p.keys_per_split;
   const int key_end = min(keys.total, key_begin + p.keys_per_split);
@@ -148,11 +148,15 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       const float m_old = row_m[r], m_new = fmaxf(m_old, mx);  // finite: every tile has a key
       float sum = 0.f;
-      for (int c = 0; c < BN / 2; ++c) {
-        const float e = exp2f(s_row[c] - m_new);
-        const T e_t = from_float<T>(e);
-        sP(r, c0 + c) = e_t;
-        sum += to_float(e_t);  // l sums exactly the P that multiplies V
+      for (int c8 = 0; c8 < BN / 2; c8 += 8) {  // 8 columns = one 16-byte swizzle chunk
+        uint4 chunk;
+        T* e = reinterpret_cast<T*>(&chunk);
+        CUTE_UNROLL
+        for (int c = 0; c < 8; ++c) {
+          e[c] = from_float<T>(exp2f(s_row[c8 + c] - m_new));
+          sum += to_float(e[c]);  // l sums exactly the P that multiplies V
+        }
+        st_shared_16(&sP(r, c0 + c8), chunk);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       __syncwarp();

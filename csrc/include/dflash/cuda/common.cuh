@@ -42,6 +42,8 @@ inline void set_smem_limit(const void* kernel, int bytes, const char* what) {
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(cutlass::bfloat16_t x) { return float(x); }
 __device__ __forceinline__ float to_float(cutlass::half_t x) { return float(x); }
@@ -66,6 +68,14 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int bytes = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+// One 16-byte shared-memory store (a generic store of a CuTe smem element compiles to
+// 2-byte generic stores).
+__device__ __forceinline__ void st_shared_16(void* smem, const uint4& v) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // Calls f.template operator()<T>() with T the CUTLASS type of `dtype` (16-bit types only).

@@ -82,9 +82,9 @@ __global__ void __launch_bounds__(kTileThreads)
 project_features_tc_kernel(const __grid_constant__ ProjectFeaturesParams p, int kt_per_split) {
   constexpr int BM = kGemmBM;
   using Gemm = TileGemm<T, BM, BN, kGemmBK, false, kGemmWarpsM>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // the swizzle period
   T* smem = reinterpret_cast<T*>(smem_raw);
-  const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM, split = blockIdx.z;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, split = blockIdx.z;
   const int K = p.k * p.H;
   const int kt_total = (K + kGemmBK - 1) / kGemmBK;
   const int kt_begin = split * kt_per_split;
@@ -118,13 +118,13 @@ __global__ void __launch_bounds__(kTileThreads)
 inject_context_kv_tc_kernel(const __grid_constant__ InjectParams p) {
   constexpr int BM = kGemmBM;
   using Gemm = TileGemm<T, BM, D, kGemmBK, false, kGemmWarpsM>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // the swizzle period
   T* smem = reinterpret_cast<T*>(smem_raw);
-  // blockIdx.x = (layer, k|v, head); the N-tile is exactly one head of D columns.
-  const int layer = blockIdx.x / (2 * p.Hkv);
-  const bool is_v = (blockIdx.x % (2 * p.Hkv)) >= p.Hkv;
-  const int head = blockIdx.x % p.Hkv;
-  const int m0 = blockIdx.y * BM;
+  // blockIdx.y = (layer, k|v, head); the N-tile is exactly one head of D columns.
+  const int layer = blockIdx.y / (2 * p.Hkv);
+  const bool is_v = (blockIdx.y % (2 * p.Hkv)) >= p.Hkv;
+  const int head = blockIdx.y % p.Hkv;
+  const int m0 = blockIdx.x * BM;
   const T* w = static_cast<const T*>(is_v ? p.v_weight : p.k_weight) +
                (static_cast<int64_t>(layer) * p.Hkv + head) * D * p.H;
   const T* ctx = static_cast<const T*>(p.ctx);

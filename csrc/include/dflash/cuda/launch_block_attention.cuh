@@ -7,11 +7,11 @@ namespace dflash::cuda::DFLASH_ARCH_NS {
 
 inline constexpr int kAttnMaxSplits = 256;
 
-bool block_attention_plan(BlockAttentionParams& p, int num_sms) {
-  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
+  const int smem = p.D == 64 ? attention_smem_bytes<64>(2) : attention_smem_bytes<128>(2);
   const bool tc = p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && aligned16(p.q) &&
                   aligned16(p.k_block) && aligned16(p.v_block) && aligned16(p.k_cache) &&
-                  aligned16(p.v_cache);
+                  aligned16(p.v_cache) && smem <= dev.max_smem_per_block;
   p.tensor_cores = tc;
   p.splits = 1;
   p.keys_per_split = static_cast<int>(std::min<int64_t>(p.max_keys, INT32_MAX));
@@ -20,7 +20,7 @@ bool block_attention_plan(BlockAttentionParams& p, int num_sms) {
   // grid fills the SMs twice.
   const int64_t ctas = static_cast<int64_t>(p.Bsz) * p.Hkv * ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM);
   const int key_tiles = ceil_div(p.max_keys, kAttnBN);
-  const int want = static_cast<int>(std::clamp<int64_t>((2 * num_sms + ctas - 1) / ctas, 1,
+  const int want = static_cast<int>(std::clamp<int64_t>((2 * dev.num_sms + ctas - 1) / ctas, 1,
                                                         std::min(key_tiles, kAttnMaxSplits)));
   p.keys_per_split = ceil_div(key_tiles, want) * kAttnBN;
   p.splits = ceil_div(p.max_keys, p.keys_per_split);
@@ -32,7 +32,7 @@ void launch_attention_tc(const BlockAttentionParams& p, cudaStream_t stream) {
   constexpr int smem = attention_smem_bytes<D>(sizeof(T));
   auto* kernel = &block_attention_tc_kernel<T, D>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), smem, "block_attention");
-  const dim3 grid(ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM), p.Bsz * p.Hkv, p.splits);
+  const dim3 grid(p.Bsz * p.Hkv, ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM), p.splits);
   kernel<<<grid, kTileThreads, smem, stream>>>(p);
   check_launch("block_attention_tc_kernel");
   if (p.splits > 1) {

@@ -5,10 +5,11 @@
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
 
-bool inject_context_kv_plan(const InjectParams& p) {
-  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && p.H % 8 == 0 &&
-         aligned16(p.ctx) && aligned16(p.k_weight) && aligned16(p.v_weight);
+bool inject_context_kv_plan(InjectParams& p, const DeviceLimits& dev) {
+  p.tensor_cores = p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && p.H % 8 == 0 &&
+                   aligned16(p.ctx) && aligned16(p.k_weight) && aligned16(p.v_weight) &&
+                   weight_stream_smem_bytes<kGemmBM, 128>(2) <= dev.max_smem_per_block;
+  return p.tensor_cores;
 }
 
 template <class T, int D>
@@ -16,16 +17,15 @@ void launch_inject_tc(const InjectParams& p, cudaStream_t stream) {
   constexpr int smem = weight_stream_smem_bytes<kGemmBM, D>(sizeof(T));
   auto* kernel = &inject_context_kv_tc_kernel<T, D>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), smem, "inject_context_kv");
-  const dim3 grid(p.N * 2 * p.Hkv, ceil_div(p.T, kGemmBM));
+  const dim3 grid(ceil_div(p.T, kGemmBM), p.N * 2 * p.Hkv);
   kernel<<<grid, kTileThreads, smem, stream>>>(p);
   check_launch("inject_context_kv_tc_kernel");
 }
 
 void inject_context_kv(const InjectParams& p, cudaStream_t stream) {
-  const bool tc = inject_context_kv_plan(p);
   auto run = [&]<class T>() {
     if constexpr (!std::is_same_v<T, float>) {
-      if (tc) {
+      if (p.tensor_cores) {
         if (p.D == 64) launch_inject_tc<T, 64>(p, stream);
         else launch_inject_tc<T, 128>(p, stream);
         return;

@@ -8,10 +8,13 @@ namespace dflash::cuda::DFLASH_ARCH_NS {
 inline constexpr int kProjectBN = 128;
 inline constexpr int kProjectMinKTilesPerSplit = 4;
 
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+inline int project_features_smem_bytes(DType dtype) {
+  return weight_stream_smem_bytes<kGemmBM, kProjectBN>(dtype == DType::kFloat32 ? 4 : 2);
+}
 
-bool project_features_plan(ProjectFeaturesParams& p, int num_sms) {
-  bool tc = p.dtype != DType::kFloat32 && p.H % 8 == 0 && aligned16(p.fc_weight);
+bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev) {
+  bool tc = p.dtype != DType::kFloat32 && p.H % 8 == 0 && aligned16(p.fc_weight) &&
+            project_features_smem_bytes(p.dtype) <= dev.max_smem_per_block;
   for (int j = 0; j < p.k; ++j) tc = tc && aligned16(p.features[j]);
   p.splits = 1;
   p.k_tiles_per_split = 0;
@@ -22,7 +25,7 @@ bool project_features_plan(ProjectFeaturesParams& p, int num_sms) {
   const int tiles = ceil_div(p.H_out, kProjectBN) * ceil_div(p.T, kGemmBM);
   const int k_tiles = ceil_div(static_cast<int64_t>(p.k) * p.H, kGemmBK);
   const int max_splits = std::max(1, k_tiles / kProjectMinKTilesPerSplit);
-  const int want = std::min(max_splits, std::max(1, ceil_div(2 * num_sms, tiles)));
+  const int want = std::min(max_splits, std::max(1, ceil_div(2 * dev.num_sms, tiles)));
   p.k_tiles_per_split = std::max(1, ceil_div(k_tiles, want));
   p.splits = std::max(1, ceil_div(k_tiles, p.k_tiles_per_split));
   return true;
@@ -32,10 +35,10 @@ void project_features(const ProjectFeaturesParams& p, cudaStream_t stream) {
   auto run = [&]<class T>() {
     if (p.tensor_cores && !std::is_same_v<T, float>) {
       if constexpr (!std::is_same_v<T, float>) {
-        constexpr int smem = weight_stream_smem_bytes<kGemmBM, kProjectBN>(sizeof(T));
+        const int smem = project_features_smem_bytes(p.dtype);
         auto* kernel = &project_features_tc_kernel<T, kProjectBN>;
         set_smem_limit(reinterpret_cast<const void*>(kernel), smem, "project_features");
-        const dim3 grid(ceil_div(p.H_out, kProjectBN), ceil_div(p.T, kGemmBM), p.splits);
+        const dim3 grid(ceil_div(p.T, kGemmBM), ceil_div(p.H_out, kProjectBN), p.splits);
         kernel<<<grid, kTileThreads, smem, stream>>>(p, p.k_tiles_per_split);
         check_launch("project_features_tc_kernel");
       }

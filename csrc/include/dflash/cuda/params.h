@@ -10,6 +10,12 @@ namespace dflash::cuda {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// What the plan functions need to know about the device.
+struct DeviceLimits {
+  int num_sms;
+  int max_smem_per_block;  // opt-in maximum of dynamic shared memory, bytes
+};
+
 // project_features: out = rms_norm(concat(features) @ fc_weight^T) * norm_weight.
 inline constexpr int kMaxFeatures = 16;  // more are concatenated on the host first
 struct ProjectFeaturesParams {
@@ -43,6 +49,7 @@ struct InjectParams {
   int64_t S;
   float eps;
   DType dtype;
+  bool tensor_cores;  // set by the plan: tensor-core kernel, else the SIMT path
 };
 
 // block_attention: per sequence b the keys are k_cache[start : off+len] ++ k_block[b].
@@ -70,14 +77,15 @@ struct BlockAttentionParams {
 
 // One set of launchers per compiled architecture (csrc/cuda/*_sm*.cu). A plan function
 // picks the kernel for the problem, fills the scheduling fields (splits) from the SM
-// count, and returns whether the tensor-core kernel runs (false: the SIMT path).
+// count, and returns whether the tensor-core kernel runs (false: the SIMT path, also
+// taken where the device has too little shared memory for the tensor-core tile).
 #define DFLASH_DECLARE_ARCH_LAUNCHERS(arch)                                        \
   namespace arch {                                                                 \
-  bool project_features_plan(ProjectFeaturesParams& p, int num_sms);               \
+  bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev);   \
   void project_features(const ProjectFeaturesParams& p, cudaStream_t stream);      \
-  bool inject_context_kv_plan(const InjectParams& p);                              \
+  bool inject_context_kv_plan(InjectParams& p, const DeviceLimits& dev);           \
   void inject_context_kv(const InjectParams& p, cudaStream_t stream);              \
-  bool block_attention_plan(BlockAttentionParams& p, int num_sms);                 \
+  bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev);     \
   void block_attention(const BlockAttentionParams& p, cudaStream_t stream);        \
   }
 

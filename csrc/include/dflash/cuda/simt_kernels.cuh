@@ -17,10 +17,11 @@ inline constexpr int kSimtMaxHeadDim = 256;  // block_attention: 8 values per la
 template <class T>
 __global__ void __launch_bounds__(kSimtThreads)
 project_features_simt_kernel(const __grid_constant__ ProjectFeaturesParams p) {
-  const int warp = (blockIdx.x * kSimtThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kSimtThreads + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
   const int row_groups = (p.T + kSimtRowsPerWarp - 1) / kSimtRowsPerWarp;
-  if (warp >= p.H_out * row_groups) return;
-  const int n = warp / row_groups, t0 = (warp % row_groups) * kSimtRowsPerWarp;
+  if (warp >= static_cast<int64_t>(p.H_out) * row_groups) return;
+  const int n = static_cast<int>(warp / row_groups), t0 = static_cast<int>(warp % row_groups) * kSimtRowsPerWarp;
   const int64_t K = static_cast<int64_t>(p.k) * p.H;
   const T* w = static_cast<const T*>(p.fc_weight) + n * K;
   float acc[kSimtRowsPerWarp] = {};
