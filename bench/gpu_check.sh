@@ -35,7 +35,8 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and seconds
   shift 2
   echo "== $name: $*"
   start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  # bash -c: a step may be one of the functions below (exported)
+  timeout "$limit" bash -c '"$@"' step "$@" > "$OUT_DIR/$name.log" 2>&1
   rc=$?
   echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$SUMMARY"
   tail -n 4 "$OUT_DIR/$name.log"
@@ -57,7 +58,7 @@ PY
   git log -1 --format='commit %H %s' 2>/dev/null || true
 }
 
-SITE="$OUT_DIR/.site"  # the CUTLASS headers (a few MB); nothing else is installed
+SITE="${TMPDIR:-/tmp}/dflash_gpu_check_site"  # the CUTLASS headers only
 install_cutlass() {
   rm -rf "$SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" bench/wheels/nvidia_cutlass-*.whl
@@ -69,6 +70,8 @@ build() {
   mkdir -p "$OUT_DIR/ptxas" && cp build/cuda_objects/*.ptxas.txt "$OUT_DIR/ptxas/"
 }
 
+export OUT_DIR PY SITE
+export -f machine install_cutlass build
 step machine 60 machine
 step install_cutlass 120 install_cutlass
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"

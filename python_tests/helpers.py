@@ -10,7 +10,9 @@ Tolerance rule
   inputs and ``ref_lowp`` the reference run in the input dtype, and
   ``atol = ATOL_SCALE[dtype] * max|ref32|`` (covers one rounding of the output).
 """
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
@@ -21,6 +23,15 @@ import dflash_ext
 from dflash_ext import reference
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_setup_module():
+    """setup.py as a module (its setup() call only runs under __main__): the build description."""
+    spec = importlib.util.spec_from_file_location("dflash_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),

@@ -1,6 +1,5 @@
 """The CMake build reads its sources and flags from setup.py, and the CPU feature
 check refuses CPUs the kernels were not compiled for."""
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -9,19 +8,13 @@ import sys
 import pytest
 
 from dflash_ext._cpu_check import require_cpu_features
+from helpers import ROOT, load_setup_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("dflash_setup", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # setup() only runs under __main__
-    return module
 
 
 def test_build_description_lists_every_kernel_source():
-    d = _setup_module().build_description()
+    d = load_setup_module().build_description()
     for pattern_dir in ("csrc", os.path.join("csrc", "cpu")):
         for name in os.listdir(os.path.join(ROOT, pattern_dir)):
             if name.endswith(".cpp"):
@@ -33,7 +26,7 @@ def test_build_description_lists_every_kernel_source():
 
 
 def test_each_cuda_source_names_one_architecture():
-    setup = _setup_module()
+    setup = load_setup_module()
     sources = [n for n in os.listdir(os.path.join(ROOT, "csrc", "cuda")) if n.endswith(".cu")]
     assert sources
     arches = {setup.cuda_arch_of(n) for n in sources}
@@ -48,15 +41,15 @@ def test_cmake_configure_uses_setup_py_description(tmp_path):
     subprocess.run(["cmake", "-S", ROOT, "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}"],
                    check=True, capture_output=True)
     generated = (tmp_path / "dflash_build.cmake").read_text()
-    d = _setup_module().build_description()
+    d = load_setup_module().build_description()
     sources = " ".join(f'"{os.path.join(ROOT, s)}"' for s in d["sources"])
     assert f"set(DFLASH_SOURCES {sources})" in generated
     flags = " ".join(f'"{f}"' for f in d["cxx_flags"])
     assert f"set(DFLASH_CXX_FLAGS {flags})" in generated
     for source in d["cuda_sources"]:  # one -gencode per .cu file, as setup.py compiles it
-        arch = _setup_module().cuda_arch_of(source)
+        arch = load_setup_module().cuda_arch_of(source)
         assert f'set_source_files_properties("{os.path.join(ROOT, source)}" PROPERTIES COMPILE_OPTIONS ' \
-               f'"-gencode;{_setup_module().CUDA_ARCH_GENCODE[arch][1]}")' in generated
+               f'"-gencode;{load_setup_module().CUDA_ARCH_GENCODE[arch][1]}")' in generated
 
 
 def test_cpu_without_avx2_is_refused(tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ mma.sync (HMMA), and ptxas reports no spills or local memory for any kernel.
 
 These tests run wherever the extension was built with CUDA (a CUDA build of torch and
 nvcc, as in CI); they skip on a CPU-only build. They check what was compiled, not what
-it computes: the CUDA op tests do that on a GPU."""
-import importlib.util
+it computes: the CUDA op tests do that on a GPU. The layout check compiles
+python_tests/cuda/tile_layout_check.cu as a host program and runs it."""
 import os
 import re
 import shutil
@@ -15,18 +15,12 @@ import sysconfig
 import pytest
 
 import dflash_ext._C
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("dflash_setup", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import ROOT, load_setup_module
 
 
-SETUP = _setup_module()
+
+
+SETUP = load_setup_module()
 DESCRIPTION = SETUP.build_description()
 pytestmark = pytest.mark.skipif(not DESCRIPTION["use_cuda"],
                                 reason="CPU-only build (no CUDA torch or no nvcc): no CUDA kernels compiled")
@@ -127,3 +121,20 @@ def test_ptxas_reports_no_spills_and_no_stack_for_any_kernel():
                 f"{source}: {name} uses local memory: {stack} B stack, {stores} B spill stores, {loads} B spill loads"
         registers = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
         assert registers and max(registers) <= 255, f"{source}: register counts {registers}"
+
+
+@pytest.mark.parametrize("use_wgmma", [1, 0], ids=["wgmma", "mma_sync"])
+def test_tile_layouts_and_accumulator_coordinates(use_wgmma, tmp_path):
+    """The layout facts the kernels rely on, checked on the host for every TileGemm
+    configuration they use (python_tests/cuda/tile_layout_check.cu)."""
+    exe = tmp_path / "tile_layout_check"
+    cuda_home = os.path.dirname(os.path.dirname(DESCRIPTION["nvcc"]))
+    subprocess.run([DESCRIPTION["nvcc"], "-std=c++20", "-O1", "--expt-relaxed-constexpr",
+                    "-DDFLASH_ARCH_NS=hostcheck", f"-DDFLASH_USE_WGMMA={use_wgmma}",
+                    "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + SETUP.cutlass_include_dir(),
+                    "-I" + os.path.join(cuda_home, "include", "cccl"),
+                    os.path.join(ROOT, "python_tests", "cuda", "tile_layout_check.cu"), "-o", str(exe)],
+                   check=True, capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and "0 failures" in run.stdout, run.stdout[-3000:]
+    assert run.stdout.count("checked ") == 7

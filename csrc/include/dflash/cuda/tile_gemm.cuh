@@ -49,13 +49,13 @@ struct TileGemm {
 #if DFLASH_USE_WGMMA
   static_assert(BM == 64, "the wgmma tile is one 64-row warpgroup");
   static constexpr auto kMajorB = kBMNMajor ? GMMA::Major::MN : GMMA::Major::K;
-  __device__ static auto tiled_mma() {
+  CUTE_HOST_DEVICE static auto tiled_mma() {
     return make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<Int<BM>, Int<BN>, Int<BK>>,
                                                GMMA::Major::K, kMajorB>());
   }
 #else
   static_assert(BM % (16 * WarpsM) == 0 && BN % (16 * (4 / WarpsM)) == 0, "tile/warp mismatch");
-  __device__ static auto tiled_mma() {
+  CUTE_HOST_DEVICE static auto tiled_mma() {
     return make_tiled_mma(MMA_Atom<typename Sm80Atom<T>::type>{},
                           Layout<Shape<Int<WarpsM>, Int<4 / WarpsM>, _1>>{},
                           Tile<Int<16 * WarpsM>, Int<16 * (4 / WarpsM)>, _16>{});
@@ -63,14 +63,14 @@ struct TileGemm {
 #endif
 
   // Zeroed fp32 accumulator fragment of this thread.
-  __device__ static auto make_acc() {
+  CUTE_HOST_DEVICE static auto make_acc() {
     auto acc = partition_fragment_C(tiled_mma(), Shape<Int<BM>, Int<BN>>{});
     clear(acc);
     return acc;
   }
 
   // (row, col) in the BM x BN tile of each accumulator element of thread `tid`.
-  __device__ static auto acc_coords(int tid) {
+  CUTE_HOST_DEVICE static auto acc_coords(int tid) {
     return tiled_mma().get_slice(tid).partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
   }
 
