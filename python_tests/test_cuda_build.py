@@ -4,8 +4,9 @@ mma.sync (HMMA), and ptxas reports no spills or local memory for any kernel.
 
 These tests run wherever the extension was built with CUDA (a CUDA build of torch and
 nvcc, as in CI); they skip on a CPU-only build. They check what was compiled, not what
-it computes: the CUDA op tests do that on a GPU. The layout check compiles
-python_tests/cuda/tile_layout_check.cu as a host program and runs it."""
+it computes: the CUDA op tests do that on a GPU. The host checks compile
+python_tests/cuda/host_checks.cu as a host program and run it (tile layouts,
+accumulator coordinates, split plans)."""
 import os
 import re
 import shutil
@@ -124,17 +125,19 @@ def test_ptxas_reports_no_spills_and_no_stack_for_any_kernel():
 
 
 @pytest.mark.parametrize("use_wgmma", [1, 0], ids=["wgmma", "mma_sync"])
-def test_tile_layouts_and_accumulator_coordinates(use_wgmma, tmp_path):
-    """The layout facts the kernels rely on, checked on the host for every TileGemm
-    configuration they use (python_tests/cuda/tile_layout_check.cu)."""
-    exe = tmp_path / "tile_layout_check"
+def test_host_checks_of_layouts_and_plans(use_wgmma, tmp_path):
+    """The layout facts the kernels rely on, for every TileGemm configuration they use,
+    and the split-K / split-KV plans (python_tests/cuda/host_checks.cu)."""
+    exe = tmp_path / "host_checks"
     cuda_home = os.path.dirname(os.path.dirname(DESCRIPTION["nvcc"]))
+    ptx = "compute_90a" if use_wgmma else "compute_80"  # the kernels are built as PTX only: never run here
     subprocess.run([DESCRIPTION["nvcc"], "-std=c++20", "-O1", "--expt-relaxed-constexpr",
+                    "-gencode", f"arch={ptx},code={ptx}",
                     "-DDFLASH_ARCH_NS=hostcheck", f"-DDFLASH_USE_WGMMA={use_wgmma}",
                     "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + SETUP.cutlass_include_dir(),
                     "-I" + os.path.join(cuda_home, "include", "cccl"),
-                    os.path.join(ROOT, "python_tests", "cuda", "tile_layout_check.cu"), "-o", str(exe)],
+                    os.path.join(ROOT, "python_tests", "cuda", "host_checks.cu"), "-o", str(exe)],
                    check=True, capture_output=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0 and "0 failures" in run.stdout, run.stdout[-3000:]
-    assert run.stdout.count("checked ") == 7
+    assert run.stdout.count("checked ") == 8

@@ -1,0 +1,162 @@
+// Host-side checks of what the CUDA kernels rely on, built twice by test_cuda_build.py
+// (wgmma and mma.sync) and run without a GPU. CuTe layouts and tiled MMAs are
+// host-usable types, and the plan functions are host code. For every TileGemm
+// configuration the kernels instantiate:
+//   - the tiled MMA has kTileThreads threads and its accumulator coordinates cover the
+//     BM x BN tile exactly once (the epilogues index the output by them);
+//   - each shared-memory layout is a bijection onto [0, rows*cols), 8 consecutive
+//     elements along the contiguous mode stay contiguous (16-byte cp.async and stores),
+//     and a tile is a whole number of 1 KiB swizzle periods (stages at offset pointers).
+// For the plan functions: the split schedules cover every K tile / key exactly once with
+// no split past the end, and the path choice (tensor cores or SIMT) follows the dtype,
+// shape, alignment and shared-memory rules.
+#include <cstdio>
+#include <vector>
+
+#include "dflash/cuda/launch_block_attention.cuh"
+#include "dflash/cuda/launch_inject_context_kv.cuh"
+#include "dflash/cuda/launch_project_features.cuh"
+
+using namespace dflash::cuda;
+using namespace dflash::cuda::DFLASH_ARCH_NS;
+
+static int failures = 0;
+#define CHECK(cond, ...)                    \
+  do {                                      \
+    if (!(cond)) {                          \
+      ++failures;                           \
+      std::printf("FAIL %s: ", #cond);      \
+      std::printf(__VA_ARGS__);             \
+      std::printf("\n");                    \
+    }                                       \
+  } while (0)
+
+// rows x cols smem layout; `contiguous_dim` 1: the second coordinate is contiguous.
+template <class Layout>
+void check_smem_layout(const char* name, int rows, int cols, int contiguous_dim, int elem_bytes) {
+  Layout layout{};
+  const int n = rows * cols;
+  CHECK(int(cosize(layout)) == n, "%s: cosize %d != %d", name, int(cosize(layout)), n);
+  CHECK(n * elem_bytes % 1024 == 0, "%s: %d bytes is not a whole number of 1 KiB periods", name, n * elem_bytes);
+  std::vector<int> seen(n, 0);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const int off = int(layout(r, c));
+      if (off < 0 || off >= n) { CHECK(false, "%s: (%d,%d) -> %d out of range", name, r, c, off); return; }
+      ++seen[off];
+      const bool chunk_start = (contiguous_dim == 1 ? c : r) % 8 == 0;
+      if (chunk_start)
+        for (int j = 1; j < 8; ++j) {
+          const int o2 = contiguous_dim == 1 ? int(layout(r, c + j)) : int(layout(r + j, c));
+          CHECK(o2 == off + j, "%s: chunk at (%d,%d) not contiguous (+%d -> %d, want %d)", name, r, c, j, o2, off + j);
+        }
+    }
+  for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: offset %d hit %d times", name, i, seen[i]);
+}
+
+template <class Gemm, int BM, int BN, int BK, bool kBMNMajor>
+void check_gemm(const char* name) {
+  using T = cutlass::bfloat16_t;
+  CHECK(int(size(Gemm::tiled_mma())) == kTileThreads, "%s: %d threads", name, int(size(Gemm::tiled_mma())));
+  std::vector<int> hits(BM * BN, 0);
+  for (int tid = 0; tid < kTileThreads; ++tid) {
+    auto coords = Gemm::acc_coords(tid);
+    CHECK(size(coords) == size(Gemm::make_acc()), "%s: coords/acc size mismatch", name);
+    for (int i = 0; i < size(coords); ++i) {
+      const int r = get<0>(coords(i)), c = get<1>(coords(i));
+      CHECK(r >= 0 && r < BM && c >= 0 && c < BN, "%s: coordinate (%d,%d) outside the tile", name, r, c);
+      if (r >= 0 && r < BM && c >= 0 && c < BN) ++hits[r * BN + c];
+    }
+  }
+  int bad = 0;
+  for (int h : hits) bad += h != 1;
+  CHECK(bad == 0, "%s: %d of %d accumulator positions not covered exactly once", name, bad, BM * BN);
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s A", name);
+  check_smem_layout<typename Gemm::LayoutA>(buf, BM, BK, 1, sizeof(T));
+  std::snprintf(buf, sizeof buf, "%s B", name);
+  check_smem_layout<typename Gemm::LayoutB>(buf, BN, BK, kBMNMajor ? 0 : 1, sizeof(T));
+  std::printf("checked %s\n", name);
+}
+
+void* fake_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+void check_plans() {
+  const DeviceLimits h200{132, 227 * 1024}, ada{128, 99 * 1024}, tiny{4, 227 * 1024};
+  // block_attention: schedules
+  for (const DeviceLimits& dev : {h200, tiny})
+    for (int bsz : {1, 3, 16})
+      for (int bq : {1, 4, 16})
+        for (int64_t keys : {int64_t(1), int64_t(63), int64_t(64), int64_t(65), int64_t(1000), int64_t(32768 + 16), int64_t(1) << 20}) {
+          BlockAttentionParams p{};
+          p.q = p.k_block = p.v_block = p.k_cache = p.v_cache = fake_ptr(0x10000);
+          p.Bsz = bsz; p.Bq = bq; p.Hq = 32; p.Hkv = 8; p.D = 128; p.max_keys = keys + bq;
+          p.dtype = DType::kBFloat16;
+          const bool tc = block_attention_plan(p, dev);
+          CHECK(tc && p.tensor_cores, "attention bf16 D=128 should take tensor cores");
+          CHECK(p.splits >= 1 && p.splits <= kAttnMaxSplits, "splits %d", p.splits);
+          CHECK(p.keys_per_split % kAttnBN == 0, "keys_per_split %d not a multiple of %d", p.keys_per_split, kAttnBN);
+          CHECK(int64_t(p.splits) * p.keys_per_split >= p.max_keys, "splits do not cover %lld keys", (long long)p.max_keys);
+          CHECK(int64_t(p.splits - 1) * p.keys_per_split < p.max_keys, "a split starts past %lld keys", (long long)p.max_keys);
+        }
+  // block_attention: path choice
+  auto attention_tc = [](DType dtype, int D, uintptr_t q, const DeviceLimits& dev) {
+    BlockAttentionParams p{};
+    p.k_block = p.v_block = p.k_cache = p.v_cache = fake_ptr(0x10000);
+    p.q = fake_ptr(q);
+    p.Bsz = 1; p.Bq = 16; p.Hq = 8; p.Hkv = 2; p.D = D; p.max_keys = 100; p.dtype = dtype;
+    return block_attention_plan(p, dev);
+  };
+  CHECK(!attention_tc(DType::kFloat32, 128, 0x10000, h200), "fp32 attention must take the SIMT path");
+  CHECK(!attention_tc(DType::kBFloat16, 96, 0x10000, h200), "D=96 attention must take the SIMT path");
+  CHECK(!attention_tc(DType::kFloat16, 64, 0x10002, h200), "unaligned q must take the SIMT path");
+  CHECK(attention_tc(DType::kFloat16, 64, 0x10000, ada), "D=64 fits 99 KiB of shared memory");
+  CHECK(!attention_tc(DType::kFloat16, 128, 0x10000, ada), "D=128 does not fit 99 KiB of shared memory");
+  // project_features: split-K schedules and path choice
+  for (const DeviceLimits& dev : {h200, tiny})
+    for (int T : {1, 16, 2000})
+      for (int H : {64, 576, 4096})
+        for (int k : {1, 5, 16}) {
+          ProjectFeaturesParams p{};
+          for (int j = 0; j < k; ++j) p.features[j] = fake_ptr(0x20000 + 0x1000 * j);
+          p.fc_weight = fake_ptr(0x10000);
+          p.k = k; p.T = T; p.H = H; p.H_out = H; p.dtype = DType::kBFloat16;
+          CHECK(project_features_plan(p, dev) && p.tensor_cores, "project bf16 H=%d should take tensor cores", H);
+          const int k_tiles = (k * H + kGemmBK - 1) / kGemmBK;
+          CHECK(p.splits >= 1 && p.k_tiles_per_split >= 1, "splits %d per %d", p.splits, p.k_tiles_per_split);
+          CHECK(p.splits * p.k_tiles_per_split >= k_tiles, "split-K misses K tiles (%d x %d < %d)", p.splits, p.k_tiles_per_split, k_tiles);
+          CHECK((p.splits - 1) * p.k_tiles_per_split < k_tiles, "an empty split-K CTA (%d x %d, %d tiles)", p.splits, p.k_tiles_per_split, k_tiles);
+        }
+  ProjectFeaturesParams p{};
+  p.features[0] = fake_ptr(0x20000); p.features[1] = fake_ptr(0x30008);
+  p.fc_weight = fake_ptr(0x10000); p.k = 2; p.T = 4; p.H = 64; p.H_out = 64; p.dtype = DType::kBFloat16;
+  CHECK(!project_features_plan(p, h200) && p.splits == 1, "an unaligned feature must take the SIMT path");
+  p.features[1] = fake_ptr(0x30000); p.H = 100;
+  CHECK(!project_features_plan(p, h200), "H %% 8 != 0 must take the SIMT path");
+  p.H = 64; p.dtype = DType::kFloat32;
+  CHECK(!project_features_plan(p, h200), "fp32 must take the SIMT path");
+  // inject_context_kv: path choice
+  InjectParams q{};
+  q.ctx = q.k_weight = q.v_weight = fake_ptr(0x10000);
+  q.T = 16; q.H = 4096; q.N = 5; q.Hkv = 8; q.D = 128; q.dtype = DType::kBFloat16;
+  CHECK(inject_context_kv_plan(q, h200), "inject bf16 D=128 should take tensor cores");
+  q.D = 96;
+  CHECK(!inject_context_kv_plan(q, h200), "inject D=96 must take the SIMT path");
+  q.D = 64; q.H = 100;
+  CHECK(!inject_context_kv_plan(q, h200), "inject H %% 8 != 0 must take the SIMT path");
+  std::printf("checked plans\n");
+}
+
+int main() {
+  check_plans();
+  using T = cutlass::bfloat16_t;
+  check_gemm<TileGemm<T, kGemmBM, 128, kGemmBK, false, kGemmWarpsM>, kGemmBM, 128, kGemmBK, false>("project_features");
+  check_gemm<TileGemm<T, kGemmBM, 64, kGemmBK, false, kGemmWarpsM>, kGemmBM, 64, kGemmBK, false>("inject D=64");
+  check_gemm<TileGemm<T, kGemmBM, 128, kGemmBK, false, kGemmWarpsM>, kGemmBM, 128, kGemmBK, false>("inject D=128");
+  check_gemm<TileGemm<T, kAttnBM, kAttnBN, 64, false>, kAttnBM, kAttnBN, 64, false>("attention QK D=64");
+  check_gemm<TileGemm<T, kAttnBM, kAttnBN, 128, false>, kAttnBM, kAttnBN, 128, false>("attention QK D=128");
+  check_gemm<TileGemm<T, kAttnBM, 64, kAttnBN, true>, kAttnBM, 64, kAttnBN, true>("attention PV D=64");
+  check_gemm<TileGemm<T, kAttnBM, 128, kAttnBN, true>, kAttnBM, 128, kAttnBN, true>("attention PV D=128");
+  std::printf("%d failures\n", failures);
+  return failures ? 1 : 0;
+}
