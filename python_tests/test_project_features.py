@@ -134,6 +134,7 @@ def test_property_fp32(T, H, k, H_out, layout, seed):
     pytest.param(1, 4096, 5, 4096, id="qwen3-decode"),
     pytest.param(16, 4096, 5, 4096, id="qwen3-block"),
     pytest.param(2000, 4096, 5, 4096, id="qwen3-prefill"),
+    pytest.param(9000, 576, 3, 576, id="prefill-in-row-chunks"),
     pytest.param(16, 576, 20, 576, id="more-features-than-kernel-slots"),
     pytest.param(5, 100, 3, 72, id="H-not-multiple-of-8"),
 ])

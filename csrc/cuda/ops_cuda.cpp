@@ -92,22 +92,28 @@ at::Tensor project_features_cuda(at::TensorList features, const at::Tensor& fc_w
   for (const auto& f : features) feats.push_back(f.contiguous());
   if (static_cast<int>(feats.size()) > kMaxFeatures) feats = {at::cat(feats, 1)};  // rare: many layers
   const auto weight = fc_weight.contiguous(), norm = norm_weight.contiguous();
-  ProjectFeaturesParams p{};
-  for (size_t j = 0; j < feats.size(); ++j) p.features[j] = feats[j].data_ptr();
-  p.k = static_cast<int>(feats.size());
-  p.T = narrow(dims.T, "T");
-  p.H = narrow(feats[0].size(1), "H");
-  p.H_out = narrow(dims.H_out, "H_out");
-  p.fc_weight = weight.data_ptr();
-  p.norm_weight = norm.data_ptr();
-  p.out = out.data_ptr();
-  p.eps = static_cast<float>(eps);
-  p.dtype = dtype_of(out);
   const auto info = device_info(out.device());
-  info.launchers->project_features_plan(p, info.limits);
-  auto workspace = at::empty({p.splits, dims.T, dims.H_out}, out.options().dtype(at::kFloat));
-  p.workspace = workspace.data_ptr<float>();
-  info.launchers->project_features(p, c10::cuda::getCurrentCUDAStream());
+  // Rows go in chunks so that the fp32 workspace (splits x rows x H_out) stays bounded
+  // at prefill; a decode step (T <= 16) is one chunk.
+  constexpr int64_t kRowChunk = 4096;
+  for (int64_t t0 = 0; t0 < dims.T; t0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, dims.T - t0);
+    ProjectFeaturesParams p{};
+    for (size_t j = 0; j < feats.size(); ++j) p.features[j] = feats[j].narrow(0, t0, rows).data_ptr();
+    p.k = static_cast<int>(feats.size());
+    p.T = static_cast<int>(rows);
+    p.H = narrow(feats[0].size(1), "H");
+    p.H_out = narrow(dims.H_out, "H_out");
+    p.fc_weight = weight.data_ptr();
+    p.norm_weight = norm.data_ptr();
+    p.out = out.narrow(0, t0, rows).data_ptr();
+    p.eps = static_cast<float>(eps);
+    p.dtype = dtype_of(out);
+    info.launchers->project_features_plan(p, info.limits);
+    auto workspace = at::empty({p.splits, rows, dims.H_out}, out.options().dtype(at::kFloat));
+    p.workspace = workspace.data_ptr<float>();
+    info.launchers->project_features(p, c10::cuda::getCurrentCUDAStream());
+  }
   return out;
 }
 
