@@ -140,4 +140,4 @@ def test_host_checks_of_layouts_and_plans(use_wgmma, tmp_path):
                    check=True, capture_output=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0 and "0 failures" in run.stdout, run.stdout[-3000:]
-    assert run.stdout.count("checked ") == 8
+    assert run.stdout.count("checked ") == 12

@@ -4,6 +4,9 @@
 // configuration the kernels instantiate:
 //   - the tiled MMA has kTileThreads threads and its accumulator coordinates cover the
 //     BM x BN tile exactly once (the epilogues index the output by them);
+//   - attention tiles: element i of thread tid is in row attn_first_row(tid) + 8 *
+//     attn_elem_slot(i), a row shared by the thread's quad only, and elements (2i, 2i+1)
+//     are columns (c, c+1), c even (the register softmax relies on it);
 //   - each shared-memory layout is a bijection onto [0, rows*cols), 8 consecutive
 //     elements along the contiguous mode stay contiguous (16-byte cp.async and stores),
 //     and a tile is a whole number of 1 KiB swizzle periods (stages at offset pointers).
@@ -54,6 +57,30 @@ void check_smem_layout(const char* name, int rows, int cols, int contiguous_dim,
   for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: offset %d hit %d times", name, i, seen[i]);
 }
 
+template <class Gemm, int BM, int BN>
+void check_attention_rows(const char* name) {
+  for (int tid = 0; tid < kTileThreads; ++tid) {
+    auto coords = Gemm::acc_coords(tid);
+    const int first = attn_first_row(tid);
+    for (int i = 0; i < size(coords); ++i) {
+      const int r = get<0>(coords(i)), c = get<1>(coords(i));
+      CHECK(r == first + 8 * attn_elem_slot(i), "%s: thread %d element %d is in row %d, not %d", name, tid, i, r,
+            first + 8 * attn_elem_slot(i));
+      if (i % 2 == 0) {
+        CHECK(c % 2 == 0 && get<0>(coords(i + 1)) == r && get<1>(coords(i + 1)) == c + 1,
+              "%s: thread %d elements %d, %d are not columns (c, c+1) of one row", name, tid, i, i + 1);
+      }
+    }
+  }
+  // the four lanes of a quad hold the same rows, so quad shuffles reduce a whole row
+  for (int tid = 0; tid < kTileThreads; ++tid)
+    CHECK(attn_first_row(tid) == attn_first_row(tid - tid % 4), "%s: quad of thread %d splits rows", name, tid);
+  std::vector<int> owners(BM, 0);
+  for (int tid = 0; tid < kTileThreads; tid += 4) { ++owners[attn_first_row(tid)]; ++owners[attn_first_row(tid) + 8]; }
+  for (int r = 0; r < BM; ++r) CHECK(owners[r] == 1, "%s: row %d owned by %d quads", name, r, owners[r]);
+  std::printf("checked %s rows\n", name);
+}
+
 template <class Gemm, int BM, int BN, int BK, bool kBMNMajor>
 void check_gemm(const char* name) {
   using T = cutlass::bfloat16_t;
@@ -82,7 +109,7 @@ void check_gemm(const char* name) {
 void* fake_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 void check_plans() {
-  const DeviceLimits h200{132, 227 * 1024}, ada{128, 99 * 1024}, tiny{4, 227 * 1024};
+  const DeviceLimits h200{132, 227 * 1024}, ada{128, 99 * 1024}, small_smem{16, 64 * 1024}, tiny{4, 227 * 1024};
   // block_attention: schedules
   for (const DeviceLimits& dev : {h200, tiny})
     for (int bsz : {1, 3, 16})
@@ -110,8 +137,9 @@ void check_plans() {
   CHECK(!attention_tc(DType::kFloat32, 128, 0x10000, h200), "fp32 attention must take the SIMT path");
   CHECK(!attention_tc(DType::kBFloat16, 96, 0x10000, h200), "D=96 attention must take the SIMT path");
   CHECK(!attention_tc(DType::kFloat16, 64, 0x10002, h200), "unaligned q must take the SIMT path");
-  CHECK(attention_tc(DType::kFloat16, 64, 0x10000, ada), "D=64 fits 99 KiB of shared memory");
-  CHECK(!attention_tc(DType::kFloat16, 128, 0x10000, ada), "D=128 does not fit 99 KiB of shared memory");
+  CHECK(attention_tc(DType::kFloat16, 128, 0x10000, ada), "D=128 fits 99 KiB of shared memory (sm_86/89/120)");
+  CHECK(attention_tc(DType::kFloat16, 64, 0x10000, small_smem), "D=64 fits 64 KiB of shared memory");
+  CHECK(!attention_tc(DType::kFloat16, 128, 0x10000, small_smem), "D=128 does not fit 64 KiB of shared memory");
   // project_features: split-K schedules and path choice
   for (const DeviceLimits& dev : {h200, tiny})
     for (int T : {1, 16, 2000})
@@ -157,6 +185,10 @@ int main() {
   check_gemm<TileGemm<T, kAttnBM, kAttnBN, 128, false>, kAttnBM, kAttnBN, 128, false>("attention QK D=128");
   check_gemm<TileGemm<T, kAttnBM, 64, kAttnBN, true>, kAttnBM, 64, kAttnBN, true>("attention PV D=64");
   check_gemm<TileGemm<T, kAttnBM, 128, kAttnBN, true>, kAttnBM, 128, kAttnBN, true>("attention PV D=128");
+  check_attention_rows<TileGemm<T, kAttnBM, kAttnBN, 64, false>, kAttnBM, kAttnBN>("attention QK D=64");
+  check_attention_rows<TileGemm<T, kAttnBM, kAttnBN, 128, false>, kAttnBM, kAttnBN>("attention QK D=128");
+  check_attention_rows<TileGemm<T, kAttnBM, 64, kAttnBN, true>, kAttnBM, 64>("attention PV D=64");
+  check_attention_rows<TileGemm<T, kAttnBM, 128, kAttnBN, true>, kAttnBM, 128>("attention PV D=128");
   std::printf("%d failures\n", failures);
   return failures ? 1 : 0;
 }

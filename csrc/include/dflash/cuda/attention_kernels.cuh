@@ -4,8 +4,9 @@
 //     (16 x 4 = 64 rows = one wgmma warpgroup), so each K/V tile is read once per KV head.
 //   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp
 //     and block_attention_combine merges them (splits == 1 writes the output directly).
-//   - Online softmax with the S tile staged in shared memory: two threads own a row, and
-//     the P tile is written back as the A operand of P*V (V is read MN-major).
+//   - Online softmax in registers, log2 domain: each thread owns two rows of the S and O
+//     accumulators, shared with the other lanes of its quad (quad shuffles reduce a row);
+//     P goes back to shared memory as the A operand of P*V (V is read MN-major).
 // Requirements (checked by the plan function, else the SIMT path runs): bf16/fp16,
 // D in {64, 128}.
 #pragma once
@@ -20,9 +21,26 @@ inline constexpr int kAttnBN = 64;  // keys per tile
 
 template <int D>
 constexpr int attention_smem_bytes(int elem_bytes) {
-  return (kAttnBM * D + 4 * kAttnBN * D + kAttnBM * kAttnBN) * elem_bytes  // Q, 2x(K,V), P
-         + kAttnBM * (kAttnBN + 4) * 4                                     // S (fp32)
-         + 3 * kAttnBM * 4;                                                 // m, l, alpha
+  return (kAttnBM * D + 4 * kAttnBN * D + kAttnBM * kAttnBN) * elem_bytes;  // Q, 2x(K,V), P
+}
+
+// Row ownership of the 64-row accumulators (S = QK^T and O, wgmma and mma.sync alike):
+// thread tid holds rows attn_first_row(tid) + 8 * slot, slot 0 or 1, and shares each with
+// the other three lanes of its quad; fragment element i is in slot attn_elem_slot(i), and
+// elements (2i, 2i+1) are columns (c, c+1) of one row, c even. The slot is a function of
+// the (unrolled, static) element index so that per-row state stays in registers.
+// python_tests/cuda/host_checks.cu checks all of this against the CuTe partitions.
+CUTE_HOST_DEVICE constexpr int attn_first_row(int tid) { return 16 * (tid / 32) + (tid % 32) / 4; }
+CUTE_HOST_DEVICE constexpr int attn_elem_slot(int i) { return (i / 2) % 2; }
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // Keys [0, n_ctx) come from the cache rows [start, start + n_ctx), keys [n_ctx, n_ctx + Bq)
@@ -51,10 +69,6 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   T* k_ptr = q_ptr + BM * D;
   T* v_ptr = k_ptr + 2 * BN * D;
   T* p_ptr = v_ptr + 2 * BN * D;
-  float* s_tile = reinterpret_cast<float*>(p_ptr + BM * BN);
-  float* row_m = s_tile + BM * (BN + 4);
-  float* row_l = row_m + BM;
-  float* row_alpha = row_l + BM;
   using LayoutK = typename GemmQK::LayoutB;  // (BN keys, D), K-major
   using LayoutV = typename GemmPV::LayoutB;  // (D, BN keys), MN-major
   auto sQ = make_tensor(make_smem_ptr(q_ptr), typename GemmQK::LayoutA{});
@@ -95,8 +109,8 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     }
   };
 
+  const int64_t split_base = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq;  // partial rows
   if (key_begin >= key_end) {  // an empty split (splits > 1): it adds nothing to the combine
-    const int64_t split_base = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq;
     for (int r = tid; r < BM && r0 + r < rows; r += kTileThreads) {
       const int64_t row = split_base + q_row_offset(r) / D;
       p.partial_lse[row] = -INFINITY;
@@ -112,13 +126,10 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   }
   load_kv(key_begin, 0);
   cp_async_fence();
-  if (tid < BM) {
-    row_m[tid] = -INFINITY;
-    row_l[tid] = 0.f;
-  }
 
   constexpr float kLog2e = 1.4426950408889634f;
   const float scale_log2 = p.scale * kLog2e;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // this thread's two rows
   auto o_acc = GemmPV::make_acc();
   auto o_coords = GemmPV::acc_coords(tid);
   auto s_coords = GemmQK::acc_coords(tid);
@@ -127,68 +138,66 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     const int stage = it % 2, tile_begin = key_begin + it * BN;
     cp_async_wait<0>();
     smem_writes_to_mma();
-    __syncthreads();  // K/V tile `it` visible; everyone is done with tile it-1
+    __syncthreads();  // K/V tile `it` visible; everyone is done with tile it-1 (and its P)
     if (it + 1 < n_tiles) load_kv(tile_begin + BN, stage ^ 1);
     cp_async_fence();
 
     auto s_acc = GemmQK::make_acc();
     GemmQK::run(sQ, smem_stage<LayoutK>(k_ptr, stage), s_acc, tid);
+
+    // Online softmax: masked scaled scores, row maxima over the quad, rescale factors.
+    float mx[2] = {-INFINITY, -INFINITY};
     CUTE_UNROLL
     for (int i = 0; i < size(s_acc); ++i) {
-      const int r = get<0>(s_coords(i)), c = get<1>(s_coords(i));
-      s_tile[r * (BN + 4) + c] = tile_begin + c < key_end ? s_acc(i) * scale_log2 : -INFINITY;
+      const int slot = attn_elem_slot(i);
+      const float s = tile_begin + get<1>(s_coords(i)) < key_end ? s_acc(i) * scale_log2 : -INFINITY;
+      s_acc(i) = s;
+      mx[slot] = fmaxf(mx[slot], s);
     }
-    __syncthreads();
-
-    {  // online softmax, log2 domain: two threads per row, 32 columns each
-      const int r = tid / 2, c0 = (tid % 2) * (BN / 2);
-      const float* s_row = s_tile + r * (BN + 4) + c0;
-      float mx = -INFINITY;
-      for (int c = 0; c < BN / 2; ++c) mx = fmaxf(mx, s_row[c]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      const float m_old = row_m[r], m_new = fmaxf(m_old, mx);  // finite: every tile has a key
-      float sum = 0.f;
-      for (int c8 = 0; c8 < BN / 2; c8 += 8) {  // 8 columns = one 16-byte swizzle chunk
-        uint4 chunk;
-        T* e = reinterpret_cast<T*>(&chunk);
-        CUTE_UNROLL
-        for (int c = 0; c < 8; ++c) {
-          e[c] = from_float<T>(exp2f(s_row[c8 + c] - m_new));
-          sum += to_float(e[c]);  // l sums exactly the P that multiplies V
-        }
-        st_shared_16(&sP(r, c0 + c8), chunk);
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      __syncwarp();
-      if (tid % 2 == 0) {
-        const float alpha = exp2f(m_old - m_new);  // 0 on the first tile
-        row_alpha[r] = alpha;
-        row_l[r] = row_l[r] * alpha + sum;
-        row_m[r] = m_new;
-      }
-    }
-    smem_writes_to_mma();
-    __syncthreads();
+    float alpha[2];
     CUTE_UNROLL
-    for (int i = 0; i < size(o_acc); ++i) o_acc(i) *= row_alpha[get<0>(o_coords(i))];
+    for (int j = 0; j < 2; ++j) {
+      const float m_new = fmaxf(m_run[j], quad_max(mx[j]));  // finite: every tile has a key
+      alpha[j] = exp2f(m_run[j] - m_new);                    // 0 on the first tile
+      m_run[j] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+    CUTE_UNROLL
+    for (int i = 0; i < size(s_acc); i += 2) {  // columns (c, c+1) of one row
+      const int r = get<0>(s_coords(i)), slot = attn_elem_slot(i);
+      uint32_t pair;
+      T* e = reinterpret_cast<T*>(&pair);
+      e[0] = from_float<T>(exp2f(s_acc(i) - m_run[slot]));
+      e[1] = from_float<T>(exp2f(s_acc(i + 1) - m_run[slot]));
+      sum[slot] += to_float(e[0]) + to_float(e[1]);  // l sums exactly the P that multiplies V
+      st_shared_4(&sP(r, get<1>(s_coords(i))), pair);
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) l_run[j] = l_run[j] * alpha[j] + quad_sum(sum[j]);
+    CUTE_UNROLL
+    for (int i = 0; i < size(o_acc); ++i) o_acc(i) *= alpha[attn_elem_slot(i)];
+    smem_writes_to_mma();
+    __syncthreads();  // P visible
     GemmPV::run(sP, smem_stage<LayoutV>(v_ptr, stage), o_acc, tid);
   }
-  __syncthreads();  // row_l / row_m final
 
   CUTE_UNROLL
   for (int i = 0; i < size(o_acc); ++i) {
     const int r = get<0>(o_coords(i)), d = get<1>(o_coords(i));
     if (r0 + r >= rows) continue;
-    const float o = o_acc(i) / row_l[r];
+    const float o = o_acc(i) / l_run[attn_elem_slot(i)];
     if (p.splits == 1) {
       static_cast<T*>(p.out)[q_row_offset(r) + d] = from_float<T>(o);
     } else {
-      p.partial_out[static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq * D + q_row_offset(r) + d] = o;
+      p.partial_out[split_base * D + q_row_offset(r) + d] = o;
     }
   }
-  if (p.splits > 1 && tid < BM && r0 + tid < rows) {
-    const int64_t row = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq + q_row_offset(tid) / D;
-    p.partial_lse[row] = row_m[tid] / kLog2e + logf(row_l[tid]);
+  if (p.splits > 1 && tid % 4 == 0) {  // one lane of the quad writes its two rows' LSE
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int r = attn_first_row(tid) + 8 * j;
+      if (r0 + r < rows) p.partial_lse[split_base + q_row_offset(r) / D] = m_run[j] / kLog2e + logf(l_run[j]);
+    }
   }
 }
 

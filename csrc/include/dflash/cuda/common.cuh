@@ -70,12 +70,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
 }
 
-// One 16-byte shared-memory store (a generic store of a CuTe smem element compiles to
-// 2-byte generic stores).
-__device__ __forceinline__ void st_shared_16(void* smem, const uint4& v) {
+// A 4-byte shared-memory store (a generic store through a CuTe smem tensor element
+// compiles to 2-byte generic stores).
+__device__ __forceinline__ void st_shared_4(void* smem, uint32_t v) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(v) : "memory");
 }
 
 // Calls f.template operator()<T>() with T the CUTLASS type of `dtype` (16-bit types only).
