@@ -9,7 +9,8 @@
 #   5. runs compute-sanitizer memcheck (all small cases) and racecheck (a few) on
 #      bench/cuda_sanitizer_cases.py;
 #   6. runs bench/bench_ops.py on CUDA (medians, GB/s against the measured copy
-#      bandwidth, block_attention against SDPA).
+#      bandwidth, block_attention against SDPA) and bench/draft_latency.py (one
+#      Qwen3-8B-shaped draft step, fused vs reference, per block size).
 # Usage: bench/gpu_check.sh [OUT_DIR]   (default: $OUT, else ./gpu_check_out)
 # Every step logs to OUT_DIR/<step>.log; OUT_DIR/summary.txt has one line per step; the
 # exit code is non-zero when any step failed. PYTHON picks the interpreter (python3).
@@ -87,5 +88,8 @@ step memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" ben
 step racecheck 600 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" bench/cuda_sanitizer_cases.py --quick
 step bench_ops 900 "$PY" bench/bench_ops.py --device cuda --dtype bfloat16 --tokens 1 16 \
   --contexts 512 4096 16384 32768 --batch 1 16 --budget 0.2 --json "$OUT_DIR/bench_ops_cuda.json"
+step draft_latency 300 "$PY" bench/draft_latency.py --device cuda --presets qwen3-8b --dtype bfloat16 \
+  --blocks 4 8 16 --contexts 2048 16384 --batch 1 --json "$OUT_DIR/draft_latency_cuda.json" \
+  --png "$OUT_DIR/draft_latency_cuda.png"
 cat "$SUMMARY"
 exit "$failed"
