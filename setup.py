@@ -74,6 +74,7 @@ def build_description():
     """Sources, include dirs and flags of the `dflash_ext._C` extension."""
     nvcc = _nvcc()
     use_cuda = nvcc is not None
+    cuda_home = os.path.dirname(os.path.dirname(nvcc)) if use_cuda else None
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + (rel("csrc/cuda/*.cpp") if use_cuda else [])
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas"]  # at::parallel_for is inlined: it needs OpenMP here
@@ -86,7 +87,6 @@ def build_description():
         cuda_sources = rel("csrc/cuda/*.cu")
         for source in cuda_sources:
             cuda_arch_of(source)  # fail early on a misnamed file
-        cuda_home = os.path.dirname(os.path.dirname(nvcc))
         include_dirs.append(os.path.join(cuda_home, "include"))
         # CUDA 13 moved the CCCL headers (cuda/std/...) that CUTLASS includes.
         include_dirs.append(os.path.join(cuda_home, "include", "cccl"))
@@ -96,6 +96,7 @@ def build_description():
         "name": "dflash_ext._C",
         "use_cuda": use_cuda,
         "nvcc": nvcc,
+        "cuda_home": cuda_home,
         "sources": sources,
         "cuda_sources": cuda_sources,
         "include_dirs": include_dirs,
@@ -148,7 +149,7 @@ def write_cmake_description(path):
         f.write(f"set(DFLASH_SOURCES {q(os.path.join(ROOT, s) for s in d['sources'])})\n")
         f.write(f"set(DFLASH_CUDA_SOURCES {q(os.path.join(ROOT, s) for s in d['cuda_sources'])})\n")
         if d["use_cuda"]:
-            cuda_home = os.path.dirname(os.path.dirname(d["nvcc"]))
+            cuda_home = d["cuda_home"]
             f.write(f'set(CMAKE_CUDA_COMPILER "{d["nvcc"]}")\n')
             f.write(f'set(CUDA_TOOLKIT_ROOT_DIR "{cuda_home}")\nset(CUDAToolkit_ROOT "{cuda_home}")\n')
             # Torch's CMake config would otherwise probe for a GPU to pick architectures.

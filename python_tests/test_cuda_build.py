@@ -129,7 +129,7 @@ def test_host_checks_of_layouts_and_plans(use_wgmma, tmp_path):
     """The layout facts the kernels rely on, for every TileGemm configuration they use,
     and the split-K / split-KV plans (python_tests/cuda/host_checks.cu)."""
     exe = tmp_path / "host_checks"
-    cuda_home = os.path.dirname(os.path.dirname(DESCRIPTION["nvcc"]))
+    cuda_home = DESCRIPTION["cuda_home"]
     ptx = "compute_90a" if use_wgmma else "compute_80"  # the kernels are built as PTX only: never run here
     subprocess.run([DESCRIPTION["nvcc"], "-std=c++20", "-O1", "--expt-relaxed-constexpr",
                     "-gencode", f"arch={ptx},code={ptx}",

@@ -7,7 +7,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <array>
 #include <mutex>
 #include <vector>
 
@@ -18,7 +17,6 @@ namespace dflash::cuda {
 namespace {
 
 struct ArchLaunchers {
-  const char* name;
   bool (*project_features_plan)(ProjectFeaturesParams&, const DeviceLimits&);
   void (*project_features)(const ProjectFeaturesParams&, cudaStream_t);
   bool (*inject_context_kv_plan)(InjectParams&, const DeviceLimits&);
@@ -28,7 +26,7 @@ struct ArchLaunchers {
 };
 
 #define DFLASH_ARCH_LAUNCHERS(arch)                                                            \
-  ArchLaunchers{#arch, &arch::project_features_plan, &arch::project_features,                 \
+  ArchLaunchers{&arch::project_features_plan, &arch::project_features,                 \
                 &arch::inject_context_kv_plan, &arch::inject_context_kv,                      \
                 &arch::block_attention_plan, &arch::block_attention}
 
@@ -171,7 +169,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   int64_t max_keys = 0;
   const int64_t* lens = lens_cpu.data_ptr<int64_t>();
   for (int64_t b = 0; b < d.Bsz; ++b)
-    max_keys = std::max(max_keys, (window > 0 ? std::min(lens[b], window) : lens[b]) + d.Bq);
+    max_keys = std::max(max_keys, visible_context(lens[b], window) + d.Bq);
   const auto offs = cache_offsets.contiguous(), lns = cache_lens.contiguous();
   BlockAttentionParams p{};
   p.q = qc.data_ptr();
@@ -194,8 +192,8 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   p.dtype = dtype_of(q);
   const auto info = device_info(q.device());
   const bool tensor_cores = info.launchers->block_attention_plan(p, info.limits);
-  TORCH_CHECK(tensor_cores || d.D <= 256, "block_attention on CUDA takes head dims up to 256 (",
-              "64 and 128 in bf16/fp16 on tensor cores), got D=", d.D);
+  TORCH_CHECK(tensor_cores || d.D <= kSimtMaxHeadDim, "block_attention on CUDA takes head dims up to ",
+              kSimtMaxHeadDim, " (64 and 128 in bf16/fp16 on tensor cores), got D=", d.D);
   at::Tensor partial_out, partial_lse;
   if (p.splits > 1) {
     partial_out = at::empty({p.splits, d.Bsz, d.Bq, d.Hq, d.D}, q.options().dtype(at::kFloat));

@@ -43,19 +43,6 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Keys [0, n_ctx) come from the cache rows [start, start + n_ctx), keys [n_ctx, n_ctx + Bq)
-// from the sequence's block.
-struct KeyRange {
-  int64_t start;
-  int n_ctx, total;
-};
-
-__device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
-  const int64_t off = p.cache_offsets[b], n = p.cache_lens[b];
-  const int64_t visible = (p.window > 0 && n > p.window) ? p.window : n;
-  return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
-}
-
 template <class T, int D>
 __global__ void __launch_bounds__(kTileThreads)
 block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {

@@ -57,12 +57,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // 16-byte global->shared copy; copies zeros when !pred (src is then not read).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -77,19 +71,26 @@ __device__ __forceinline__ void st_shared_4(void* smem, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(v) : "memory");
 }
 
-// Calls f.template operator()<T>() with T the CUTLASS type of `dtype` (16-bit types only).
-template <class F>
-void dispatch_half_types(DType dtype, F&& f) {
-  if (dtype == DType::kBFloat16) f.template operator()<cutlass::bfloat16_t>();
-  else if (dtype == DType::kFloat16) f.template operator()<cutlass::half_t>();
-  else throw std::runtime_error("dflash_ext: tensor-core kernels take bfloat16 or float16");
-}
-
-// Calls f.template operator()<T>() for any of the three supported dtypes.
+// Calls f.template operator()<T>() with T the element type of `dtype` (float or CUTLASS's
+// 16-bit types).
 template <class F>
 void dispatch_all_types(DType dtype, F&& f) {
   if (dtype == DType::kFloat32) f.template operator()<float>();
-  else dispatch_half_types(dtype, static_cast<F&&>(f));
+  else if (dtype == DType::kBFloat16) f.template operator()<cutlass::bfloat16_t>();
+  else f.template operator()<cutlass::half_t>();
+}
+
+// The keys of sequence b in block_attention: keys [0, n_ctx) are the cache rows
+// [start, start + n_ctx), keys [n_ctx, total) the sequence's Bq block rows.
+struct KeyRange {
+  int64_t start;
+  int n_ctx, total;
+};
+
+__device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
+  const int64_t off = p.cache_offsets[b], n = p.cache_lens[b];
+  const int64_t visible = visible_context(n, p.window);
+  return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
 }
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

@@ -79,7 +79,7 @@ constexpr int weight_stream_smem_bytes(int elem_bytes) {
 // ---------------------------------------------------------------- project_features
 template <class T, int BN>
 __global__ void __launch_bounds__(kTileThreads)
-project_features_tc_kernel(const __grid_constant__ ProjectFeaturesParams p, int kt_per_split) {
+project_features_tc_kernel(const __grid_constant__ ProjectFeaturesParams p) {
   constexpr int BM = kGemmBM;
   using Gemm = TileGemm<T, BM, BN, kGemmBK, false, kGemmWarpsM>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];  // the swizzle period
@@ -87,8 +87,8 @@ project_features_tc_kernel(const __grid_constant__ ProjectFeaturesParams p, int 
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, split = blockIdx.z;
   const int K = p.k * p.H;
   const int kt_total = (K + kGemmBK - 1) / kGemmBK;
-  const int kt_begin = split * kt_per_split;
-  const int kt_end = min(kt_total, kt_begin + kt_per_split);
+  const int kt_begin = split * p.k_tiles_per_split;
+  const int kt_end = min(kt_total, kt_begin + p.k_tiles_per_split);
   const T* w = static_cast<const T*>(p.fc_weight);
   auto a_src = [&](int r, int kk) -> const void* {
     const int t = m0 + r;

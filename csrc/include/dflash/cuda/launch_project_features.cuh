@@ -8,13 +8,11 @@ namespace dflash::cuda::DFLASH_ARCH_NS {
 inline constexpr int kProjectBN = 128;
 inline constexpr int kProjectMinKTilesPerSplit = 4;
 
-inline int project_features_smem_bytes(DType dtype) {
-  return weight_stream_smem_bytes<kGemmBM, kProjectBN>(dtype == DType::kFloat32 ? 4 : 2);
-}
+inline constexpr int kProjectSmemBytes = weight_stream_smem_bytes<kGemmBM, kProjectBN>(2);  // 16-bit only
 
 bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev) {
   bool tc = p.dtype != DType::kFloat32 && p.H % 8 == 0 && aligned16(p.fc_weight) &&
-            project_features_smem_bytes(p.dtype) <= dev.max_smem_per_block;
+            kProjectSmemBytes <= dev.max_smem_per_block;
   for (int j = 0; j < p.k; ++j) tc = tc && aligned16(p.features[j]);
   p.splits = 1;
   p.k_tiles_per_split = 0;
@@ -32,22 +30,23 @@ bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev) {
 }
 
 void project_features(const ProjectFeaturesParams& p, cudaStream_t stream) {
-  auto run = [&]<class T>() {
-    if (p.tensor_cores && !std::is_same_v<T, float>) {
-      if constexpr (!std::is_same_v<T, float>) {
-        const int smem = project_features_smem_bytes(p.dtype);
+  auto partial_sums = [&]<class T>() {  // into p.workspace
+    if constexpr (!std::is_same_v<T, float>) {
+      if (p.tensor_cores) {
         auto* kernel = &project_features_tc_kernel<T, kProjectBN>;
-        set_smem_limit(reinterpret_cast<const void*>(kernel), smem, "project_features");
+        set_smem_limit(reinterpret_cast<const void*>(kernel), kProjectSmemBytes, "project_features");
         const dim3 grid(ceil_div(p.T, kGemmBM), ceil_div(p.H_out, kProjectBN), p.splits);
-        kernel<<<grid, kTileThreads, smem, stream>>>(p, p.k_tiles_per_split);
+        kernel<<<grid, kTileThreads, kProjectSmemBytes, stream>>>(p);
         check_launch("project_features_tc_kernel");
+        return;
       }
-    } else {
-      const int64_t warps = static_cast<int64_t>(p.H_out) * ceil_div(p.T, kSimtRowsPerWarp);
-      const int blocks = ceil_div(warps * 32, kSimtThreads);
-      project_features_simt_kernel<T><<<blocks, kSimtThreads, 0, stream>>>(p);
-      check_launch("project_features_simt_kernel");
     }
+    const int64_t warps = static_cast<int64_t>(p.H_out) * ceil_div(p.T, kSimtRowsPerWarp);
+    project_features_simt_kernel<T><<<ceil_div(warps * 32, kSimtThreads), kSimtThreads, 0, stream>>>(p);
+    check_launch("project_features_simt_kernel");
+  };
+  auto run = [&]<class T>() {
+    partial_sums.template operator()<T>();
     project_features_finalize_kernel<T><<<p.T, kSimtThreads, 0, stream>>>(p);
     check_launch("project_features_finalize_kernel");
   };

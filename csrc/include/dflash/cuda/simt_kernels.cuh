@@ -10,7 +10,6 @@ namespace dflash::cuda::DFLASH_ARCH_NS {
 
 inline constexpr int kSimtThreads = 128;
 inline constexpr int kSimtRowsPerWarp = 4;  // project_features: rows sharing one weight read
-inline constexpr int kSimtMaxHeadDim = 256;  // block_attention: 8 values per lane
 
 // workspace[t, n] = sum_j features[j][t] . fc_weight[n, j*H : (j+1)*H]; one warp per
 // (n, group of kSimtRowsPerWarp rows).
@@ -127,9 +126,7 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
   if (warp >= static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq) return;
   const int h = warp % p.Hq, b = warp / (static_cast<int64_t>(p.Hq) * p.Bq);
   const int kvh = h / (p.Hq / p.Hkv), D = p.D;
-  const int64_t off = p.cache_offsets[b], len = p.cache_lens[b];
-  const int64_t visible = (p.window > 0 && len > p.window) ? p.window : len;
-  const int64_t start = off + len - visible;
+  const KeyRange keys = key_range(p, b);
   const T* q = static_cast<const T*>(p.q) + warp * D;
   float qv[kPerLane], o[kPerLane];
 #pragma unroll
@@ -139,10 +136,10 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
     o[j] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  for (int64_t key = 0; key < visible + p.Bq; ++key) {
-    const bool from_block = key >= visible;
-    const int64_t row = from_block ? (static_cast<int64_t>(b) * p.Bq + (key - visible)) * p.Hkv + kvh
-                                   : (start + key) * p.Hkv + kvh;
+  for (int key = 0; key < keys.total; ++key) {
+    const bool from_block = key >= keys.n_ctx;
+    const int64_t row = from_block ? (static_cast<int64_t>(b) * p.Bq + (key - keys.n_ctx)) * p.Hkv + kvh
+                                   : (keys.start + key) * p.Hkv + kvh;
     const T* k = static_cast<const T*>(from_block ? p.k_block : p.k_cache) + row * D;
     const T* v = static_cast<const T*>(from_block ? p.v_block : p.v_cache) + row * D;
     float s = 0.f;
