@@ -10,6 +10,7 @@ each optimizer step averages the loss over one global batch, so a run on N proce
 follows the one-process run with the same global batch.
 """
 import contextlib
+import gc
 import json
 import math
 import os
@@ -189,4 +190,9 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
                 f"{time.time() - t0:.0f}s")
         if step % cfg.save_every == 0 or step == total:
             save()
+    if model is not drafter:
+        # The DDP wrapper sits in reference cycles; if it outlives the caller's destroy_process_group(),
+        # its gloo reducer aborts the process at exit ("terminate called without an active exception").
+        del model
+        gc.collect()
     return drafter
