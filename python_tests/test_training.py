@@ -2,7 +2,6 @@
 training forward with the inference draft step, overfitting end to end, and DDP."""
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -116,16 +115,11 @@ def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
     assert sum(taus) / len(taus) > 3.0, taus  # B = 4: close to whole blocks
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, data, out):
+def _ddp_worker(rank, world, store, data, out):
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file store: no free port to race other processes for.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     target = tiny_target()
     cfg = TrainConfig(data=data, out=out, num_layers=1, block_size=4, anchors=8, epochs=1, batch_size=4,
                       max_steps=3, save_every=10 ** 9, log_every=10 ** 9)
@@ -141,7 +135,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     cfg = TrainConfig(data=data, out=str(tmp_path / "one"), num_layers=1, block_size=4, anchors=8, epochs=1,
                       batch_size=4, max_steps=3, save_every=10 ** 9, log_every=10 ** 9)
     one = train(cfg, target, log=lambda m: None)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), data, str(tmp_path / "two")), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), data, str(tmp_path / "two")), nprocs=2, join=True)
     two = DFlashDrafter.from_pretrained(str(tmp_path / "two"))
     for (n, p1), p2 in zip(one.state_dict().items(), two.state_dict().values()):
         torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
