@@ -142,11 +142,12 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
   std::vector<int64_t> written;
   written.reserve(sl.numel());
   for (int64_t t = 0; t < pos.numel(); ++t) {
-    TORCH_CHECK(p[t] >= 0 && p[t] < P, "positions[", t, "] = ", p[t],
-                " is out of range [0, P) with P=", P, " rows in cos/sin");
     TORCH_CHECK(s[t] >= -1 && s[t] < S, "slots[", t, "] = ", s[t],
                 " is out of range [-1, S) with S=", S, " rows in k_cache");
-    if (s[t] >= 0) written.push_back(s[t]);
+    if (s[t] < 0) continue;  // a skipped token: its position is never read (as in the reference)
+    TORCH_CHECK(p[t] >= 0 && p[t] < P, "positions[", t, "] = ", p[t],
+                " is out of range [0, P) with P=", P, " rows in cos/sin");
+    written.push_back(s[t]);
   }
   std::sort(written.begin(), written.end());
   const auto dup = std::adjacent_find(written.begin(), written.end());
@@ -162,7 +163,8 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
   for (int64_t b = 0; b < off.numel(); ++b) {
     TORCH_CHECK(o[b] >= 0, "cache_offsets[", b, "] = ", o[b], " must be >= 0");
     TORCH_CHECK(l[b] >= 0, "cache_lens[", b, "] = ", l[b], " must be >= 0");
-    TORCH_CHECK(o[b] + l[b] <= S, "context of sequence ", b, " (cache_offsets[", b, "] = ", o[b],
+    // l <= S - o, never o + l <= S: the sum of two int64 values can overflow (UB, wraps negative).
+    TORCH_CHECK(o[b] <= S && l[b] <= S - o[b], "context of sequence ", b, " (cache_offsets[", b, "] = ", o[b],
                 ", cache_lens[", b, "] = ", l[b], ") runs past the end of the cache (S=", S, " rows)");
   }
 }
