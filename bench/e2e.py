@@ -11,8 +11,11 @@ How to run (from the repository root, with the extension already built)::
 For every prompt the target alone (``target_generate``, one token per forward pass) and
 DFlash (``spec_generate``) run side by side, same dtype, threads and sampling settings
 (greedy by default; the order of the two alternates between prompts). Greedy outputs
-must be identical (DFlash is lossless): every mismatch is counted, reported loudly and
-makes the exit status 1.
+must be identical in float32 (DFlash is lossless): every mismatch is counted, reported
+loudly and makes the exit status 1. In bfloat16/float16 a B-token verify pass rounds
+differently from one-token decoding, so outputs may part where two tokens are near-tied:
+the share of identical outputs and the first new-token position where they part are
+reported (a measurement, not a failure).
 
 Prompt sets (``--sets``, default humaneval mtbench sharegpt; loaded with
 ``dflash_ext.prompts.load_prompts``): HumanEval, MT-Bench (first turns) and held-out
@@ -232,7 +235,9 @@ def parse_args(argv=None):
                          "the records held out from training)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="cut longer user texts (default 1024)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128; quick 32")
-    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's (16 for a fresh one)")
+    ap.add_argument("--block-size", default="auto",
+                    help="verify block size, or auto (default): chosen from this machine's measured verify cost "
+                         "and the drafter's acceptance profile (dflash_ext.decoding.choose_block_size)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -240,7 +245,8 @@ def parse_args(argv=None):
     ap.add_argument("--path", choices=["fused", "reference"], default="fused",
                     help="drafter ops: fused dflash_ext ops (default) or the plain-PyTorch reference")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    ap.add_argument("--dtype", choices=list(DTYPES), default="float32", help="target and drafter dtype (default float32)")
+    ap.add_argument("--dtype", choices=["auto"] + list(DTYPES), default="auto",
+                    help="target and drafter dtype; auto (default) = bfloat16 where the CPU has bf16 units, else float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
@@ -259,8 +265,10 @@ def parse_args(argv=None):
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
     if args.n < 1 or args.max_new_tokens < 1:
         ap.error("--n and --max-new-tokens must be >= 1")
-    if args.block_size is not None and args.block_size < 1:
-        ap.error("--block-size must be >= 1")
+    if args.block_size != "auto":
+        if not args.block_size.isdigit() or int(args.block_size) < 1:
+            ap.error("--block-size must be auto or an integer >= 1")
+        args.block_size = int(args.block_size)
     if args.drafter is not None and not os.path.isdir(args.drafter):
         ap.error(f"--drafter {args.drafter}: no such directory")
     return args
@@ -273,12 +281,15 @@ def main(argv=None):
     if missing and args.path == "fused":
         sys.exit(f"e2e: dflash_ext has no {device.type} kernel for {missing}; use --path reference")
     torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
     t_start = time.perf_counter()
 
-    from dflash_ext.decoding import spec_generate, target_generate
+    from dflash_ext.decoding import choose_block_size, spec_generate, target_generate
     from dflash_ext.drafter import DFlashDrafter
+    from dflash_ext.hardware import fastest_dtype
     from dflash_ext.models import DEFAULT_TARGET_NAME, load_target
+
+    dtype = fastest_dtype(device) if args.dtype == "auto" else DTYPES[args.dtype]
+    args.dtype = str(dtype).replace("torch.", "")
 
     busy = _common.warn_if_busy(device)
     prompt_sets = gather_prompts(args)
@@ -289,22 +300,29 @@ def main(argv=None):
         drafter.check_fits(model.config)
         drafter_name, fresh = args.drafter, False
     else:
+        fresh_block = args.block_size if isinstance(args.block_size, int) else 16
         drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
-                                            block_size=args.block_size or 16, seed=args.seed).to(device, dtype)
+                                            block_size=fresh_block, seed=args.seed).to(device, dtype)
         drafter_name, fresh = "freshly initialised (UNTRAINED: tau ~ 1, DFlash slower than the target)", True
     drafter.eval()
-    B = args.block_size or drafter.config.block_size
+    encoded = [(name, i, encode(tok, p, args.max_prompt_tokens)) for name, ps in prompt_sets
+               for i, p in enumerate(ps)]
+    block_choice = None
+    if args.block_size == "auto":  # one choice for the run, at the mean prompt length
+        block_choice = choose_block_size(model, drafter, sum(len(e[2]) for e in encoded) // len(encoded))
+        B = block_choice.block_size
+    else:
+        B = args.block_size
     stops = [] if args.ignore_eos or tok.eos_token_id is None else [tok.eos_token_id]
     fused = args.path == "fused"
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
     greedy = args.temperature <= 0
-    print(f"e2e: target {target_name}; drafter {drafter_name}; block size {B}; {args.dtype}, {device}, "
+    exact = dtype == torch.float32  # where greedy outputs must be identical
+    print(f"e2e: target {target_name}; drafter {drafter_name}; block size {B}"
+          f"{' (auto)' if block_choice else ''}; {args.dtype}, {device}, "
           f"{torch.get_num_threads()} threads; {'greedy' if greedy else f'temperature {args.temperature}'}; "
           f"{args.max_new_tokens} new tokens; sets "
           + ", ".join(f"{n} ({len(p)})" for n, p in prompt_sets), file=sys.stderr, flush=True)
-
-    encoded = [(name, i, encode(tok, p, args.max_prompt_tokens)) for name, ps in prompt_sets
-               for i, p in enumerate(ps)]
 
     def run_pair(ids, k, max_new):
         """(baseline, dflash) GenerationResults; the order alternates with k."""
@@ -340,6 +358,7 @@ def main(argv=None):
         if identical is False:
             first_diff = next((j for j, (a, b) in enumerate(zip(base.tokens, spec.tokens)) if a != b),
                               min(len(base.tokens), len(spec.tokens)))
+        if identical is False and exact:
             msg = (f"GREEDY MISMATCH (a bug): set {name} prompt {i}: DFlash differs from the target alone at "
                    f"new token {first_diff} (target {base.tokens[first_diff:first_diff + 4]}, DFlash "
                    f"{spec.tokens[first_diff:first_diff + 4]})")
@@ -387,7 +406,13 @@ def main(argv=None):
         print(f"# acceptance histogram {name} (steps emitting 1..{B} tokens): {a['histogram']}")
     print(f"# time to first token: target {overall['baseline_ttft_ms']:.0f} ms, DFlash {overall['dflash_ttft_ms']:.0f} ms")
     mismatches = overall["mismatches"]
-    if greedy:
+    if greedy and not exact:
+        parts = [r["first_mismatch"] for r in records if r["identical"] is False]
+        print(f"# {args.dtype}: greedy outputs identical to the target alone: {overall['compared'] - mismatches}/"
+              f"{overall['compared']}" + (f"; where they part, the first differing new token is at "
+                                          f"{sorted(parts)} (of {args.max_new_tokens})" if parts else ""))
+        mismatches = 0  # low-precision rounding, not a bug (README: what lossless means in bf16)
+    elif greedy:
         if mismatches:
             print("!" * 78)
             print(f"BUG: {mismatches} of {overall['compared']} greedy outputs of DFlash differ from the target alone")

@@ -45,13 +45,28 @@ DEFAULT_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
                                "smollm2-135m-b16")
 
 
+def resolve_dtype(name: str, device) -> torch.dtype:
+    """--dtype: auto = the fastest the device has (bf16 on CUDA and on CPUs with bf16 units)."""
+    from .hardware import fastest_dtype
+
+    return fastest_dtype(device) if name == "auto" else getattr(torch, name)
+
+
+def parse_block_size(text):
+    return text if text == "auto" else int(text)
+
+
 def cmd_generate(args):
-    from .decoding import spec_generate, target_generate
+    from .decoding import choose_block_size, spec_generate, target_generate
     from .drafter import DFlashDrafter
+    from .hardware import cpu_description
     from .models import load_target
 
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype, args.device)
+    where = cpu_description() if torch.device(args.device).type == "cpu" else args.device
+    print(f"[dflash_ext] dtype {str(dtype).replace('torch.', '')} ({'auto: ' if args.dtype == 'auto' else ''}"
+          f"{where})", file=sys.stderr)
     model, tok = load_target(args.target, dtype=dtype, device=args.device)
     if args.drafter is None and args.target is None and not args.fresh_drafter \
             and os.path.exists(os.path.join(DEFAULT_DRAFTER, "config.json")):
@@ -61,8 +76,9 @@ def cmd_generate(args):
         drafter.check_fits(model.config)
         note = f"drafter: {args.drafter}"
     else:
+        fresh_block = args.block_size if isinstance(args.block_size, int) else 16
         drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
-                                            block_size=args.block_size or 16).to(args.device, dtype)
+                                            block_size=fresh_block).to(args.device, dtype)
         note = ("drafter: freshly initialised (untrained; it accepts almost nothing, tau ~ 1: "
                 "pass --drafter DIR for a trained one)")
     print(f"[dflash_ext] target: {args.target or 'SmolLM2-135M-Instruct (embedded default)'}; {note}",
@@ -70,6 +86,12 @@ def cmd_generate(args):
     messages = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if args.block_size == "auto":
+        choice = choose_block_size(model, drafter, len(ids))
+        args.block_size = choice.block_size
+        speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
+        print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"
+              + (f"; expected {speeds}" if speeds else "") + ")", file=sys.stderr)
     gen = torch.Generator().manual_seed(args.seed)
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
     res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size, generator=gen,
@@ -151,14 +173,17 @@ def main(argv=None):
                    "default: drafters/smollm2-135m-b16 for the embedded target")
     g.add_argument("--fresh-drafter", action="store_true",
                    help="use a freshly initialised drafter even when the trained default exists")
-    g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    g.add_argument("--block-size", type=parse_block_size, default="auto",
+                   help="verify block size, or auto (default): the best for this machine's measured verify "
+                        "cost and the drafter's acceptance profile")
     g.add_argument("--draft-layers", type=int, default=5, help="layers of a freshly initialised drafter")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--baseline", action="store_true", help="also run the target alone and compare")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target and drafter dtype; auto = bfloat16 where the CPU has bf16 units (or CUDA), else float32")
     g.add_argument("--device", default="cpu")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--seed", type=int, default=0)
@@ -189,6 +214,17 @@ def main(argv=None):
     t.add_argument("--save-every", type=int, default=None)
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--autocast", default=None, choices=["auto", "bf16", "none"])
+    t.add_argument("--features", default=None, choices=["auto", "cached", "live"],
+                   help="target features from the folder's cache or a target forward per sequence")
+    t.add_argument("--layer-ids", type=int, nargs="*", default=None, help="target layers (default: meta.json or the default rule)")
+    t.add_argument("--holdout", type=int, default=None, help="records (highest ids) kept out to measure held-out tau")
+    t.add_argument("--eval-every", type=int, default=None, help="steps between held-out tau measurements")
+    t.add_argument("--init", default=None, choices=["random", "target"],
+                   help="drafter layers random, or from the target's last layers")
+    t.add_argument("--loss-vocab", type=int, default=None,
+                   help="softmax of the loss over the K most frequent response tokens (training only; 0 = all)")
+    t.add_argument("--eval-stride", type=int, default=None, help="held-out anchors every N response positions")
+    t.add_argument("--log-every", type=int, default=None)
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")

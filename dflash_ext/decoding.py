@@ -20,7 +20,8 @@ import torch
 
 from .drafter import DFlashDrafter, DraftCache
 
-__all__ = ["spec_generate", "target_generate", "GenerationResult", "DFlashProposer", "sample_token", "draft_tokens"]
+__all__ = ["spec_generate", "target_generate", "GenerationResult", "DFlashProposer", "sample_token", "draft_tokens",
+           "choose_block_size", "BlockSizeChoice"]
 
 
 @dataclass
@@ -131,6 +132,64 @@ class DFlashProposer:
         return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
 
 
+@dataclass
+class BlockSizeChoice:
+    block_size: int
+    expected_tokens: dict     # B -> expected tokens per step (1 + sum of the accepted-prefix profile)
+    step_seconds: dict        # B -> measured draft + verify seconds of one step
+    tokens_per_second: dict   # B -> expected_tokens / step_seconds
+    profile_source: str
+
+
+def _median_seconds(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
+                      candidates=(2, 3, 4, 6, 8, 10, 12, 16)) -> BlockSizeChoice:
+    """The verify block size B (<= the drafter's trained block) that maximises expected
+    tokens per second on this machine:
+
+        E(B) = 1 + sum_{j<B} P(the first j drafts are all accepted)   (the drafter's profile)
+        c(B) = draft step (the whole trained block, the same for every B) + target pass over B tokens
+        B*   = argmax_B E(B) / c(B)
+
+    The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
+    by training); without one, every B gets the same E and the cheapest-per-token rule
+    falls back to the trained block size. c(B) is timed here, at `context_len` tokens of
+    context (median of 3)."""
+    trained = drafter.config.block_size
+    profile = getattr(drafter, "acceptance_profile", None)
+    sizes = sorted({b for b in candidates if b <= trained} | {trained})
+    if not profile:
+        return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
+    device = next(target.parameters()).device
+    ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=device)
+    _, _, cache = _target_forward(target, ids, None, hidden_states=False)
+    proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
+    feats = _target_forward(target, ids, None)[1]
+    proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=device))
+    draft_s = _median_seconds(lambda: proposer.propose(1, context_len, trained - 1))
+
+    def verify(n):
+        _target_forward(target, ids[:, :n], cache)
+        _crop(cache, ids.shape[1])
+
+    expected, seconds, speed = {}, {}, {}
+    for b in sizes:
+        expected[b] = 1 + sum(profile[:b - 1])
+        seconds[b] = draft_s + _median_seconds(lambda: verify(b))
+        speed[b] = expected[b] / seconds[b]
+    best = max(sizes, key=lambda b: speed[b])
+    return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
+
+
 def _target_forward(target, ids: torch.Tensor, cache, hidden_states: bool = True):
     """One target pass; returns (logits [1, n, V], hidden states or None, cache).
     Recent transformers name the cache argument `cache`, older ones `past_key_values`."""
@@ -160,12 +219,21 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     ids = ids.to(device)
     n_prompt = ids.shape[1]
     if isinstance(drafter, DFlashDrafter):
-        B = block_size or drafter.config.block_size
-        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + B, fused=fused)
+        trained = drafter.config.block_size
+        if block_size == "auto":
+            block_size = choose_block_size(target, drafter, n_prompt).block_size
+        B = block_size or trained
+        if not isinstance(B, int) or B < 1:
+            raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
+        # The drafter always writes at least the block it was trained on (same cost, the
+        # trained problem); the target verifies the first B tokens of it.
+        n_draft = max(B, trained) - 1
+        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + n_draft + 1, fused=fused)
     else:
         B, proposer = block_size, drafter
-    if B is None or B < 1:
-        raise ValueError(f"block_size must be >= 1, got {B}")
+        n_draft = (B or 1) - 1
+    if not isinstance(B, int) or B < 1:
+        raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
     stops = set(int(t) for t in stop_token_ids)
     res = GenerationResult(tokens=[], block_size=B)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -198,9 +266,10 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     pos = n_prompt  # position of `last`, the newest token, not yet seen by the target
 
     while not done:
-        bs = min(B, max_new_tokens - len(res.tokens) + 1)
+        bs = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
         t0 = time.perf_counter()
-        draft = proposer.propose(last, pos, bs - 1) if bs > 1 else torch.empty(0, dtype=torch.long, device=device)
+        draft = proposer.propose(last, pos, n_draft)[:bs - 1] if bs > 1 else \
+            torch.empty(0, dtype=torch.long, device=device)
         sync()
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([last], device=device), draft.to(device)])[None]

@@ -25,6 +25,10 @@ __all__ = ["DFlashConfig", "DFlashDrafter", "DraftCache", "default_target_layer_
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# Optional, beside the reference files (the authors' loader ignores it): the held-out
+# accepted-prefix profile {"accept": [P(first j drafts accepted) for j = 1..B-1], "tau": ...}
+# that block_size="auto" reads.
+ACCEPTANCE_NAME = "acceptance.json"
 
 
 def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
@@ -216,6 +220,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self._stacked = None
         self._rope = None
+        self.acceptance_profile: Optional[List[float]] = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -267,6 +272,14 @@ class DFlashDrafter(nn.Module):
             state.update(load_file(os.path.join(path, name)))
         drafter = cls(config)
         drafter.load_reference_state_dict(state)
+        acc_path = os.path.join(path, ACCEPTANCE_NAME)
+        if os.path.exists(acc_path):
+            with open(acc_path) as f:
+                profile = json.load(f)["accept"]
+            if len(profile) != config.block_size - 1 or not all(0 <= p <= 1 for p in profile):
+                raise ValueError(f"{acc_path}: 'accept' must hold block_size - 1 = {config.block_size - 1} "
+                                 f"probabilities, got {profile}")
+            drafter.acceptance_profile = [float(p) for p in profile]
         # Default: the dtype the checkpoint was written in.
         return drafter.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
 
@@ -296,6 +309,9 @@ class DFlashDrafter(nn.Module):
             json.dump(config, f, indent=2)
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+        if self.acceptance_profile is not None:
+            with open(os.path.join(path, ACCEPTANCE_NAME), "w") as f:
+                json.dump({"accept": self.acceptance_profile}, f)
 
     def check_fits(self, target_config) -> None:
         """Raise a clear error when this drafter was not built for `target_config`."""
@@ -379,15 +395,15 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     # ------------------------------------------------------------------ training forward
-    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                attn_mask=None) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Differentiable forward of all blocks of one sequence at once (training).
 
         features [S, k*H]: the target features of the sequence's S tokens (k layers
         concatenated); block_embeds [nb, B, H]: target embeddings of [anchor token, MASK...];
         anchors [nb]: block positions. Block a attends to the context rows at positions
-        < anchors[a] and to its own B rows (``recipe.block_mask``; `attn_mask` may be a
-        FlexAttention BlockMask of the same layout). Returns final-normed hidden [nb, B, H].
+        < anchors[a] and to its own B rows, exactly what the block drafted at anchors[a]
+        sees at inference. Attention runs per block ([nb, Hq, B, S + B] scores), so its
+        cost grows linearly with the number of anchors. Returns final-normed hidden [nb, B, H].
         """
         from .training.recipe import block_mask
 
@@ -398,33 +414,24 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope_tables(S + B)
         ctx = self.hidden_norm(self.fc(features))
         cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
-        pos = (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1)
-        cos_b, sin_b = cos[pos][:, None, :], sin[pos][:, None, :]
-        if attn_mask is None:
-            attn_mask = block_mask(anchors, S, B)
-        x = block_embeds.reshape(nb * B, H)
+        pos = anchors[:, None] + torch.arange(B, device=anchors.device)  # [nb, B]
+        cos_b, sin_b = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
+        mask = block_mask(anchors, S, B)[:, None, None, :]  # [nb, 1, 1, S + B], broadcast over heads and rows
+        x = block_embeds
         for layer in self.layers:
             a = layer.self_attn
             k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
             v_ctx = a.v_proj(ctx).view(S, Hkv, D)
 
-            def attend(q, k, v):  # context rows then block rows, under the block-sparse mask
-                keys = torch.cat([k_ctx, k]).transpose(0, 1)[None]  # [1, Hkv, S + nb*B, D]
-                values = torch.cat([v_ctx, v]).transpose(0, 1)[None]
-                o = _masked_attention(q.transpose(0, 1)[None], keys, values, attn_mask, D ** -0.5)
-                return o[0].transpose(0, 1)
+            def attend(q, k, v):  # q [nb, B, Hq, D]; k, v [nb, B, Hkv, D]
+                keys = torch.cat([k_ctx.expand(nb, S, Hkv, D), k], 1).transpose(1, 2)  # [nb, Hkv, S + B, D]
+                values = torch.cat([v_ctx.expand(nb, S, Hkv, D), v], 1).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                   scale=D ** -0.5, enable_gqa=True)
+                return o.transpose(1, 2)
 
             x = layer(x, cos_b, sin_b, attend)
-        return self.norm(x).view(nb, B, H)
-
-
-def _masked_attention(q, k, v, mask, scale):
-    """SDPA with a dense boolean mask, or FlexAttention with a BlockMask (CUDA)."""
-    if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        return self.norm(x)
 
 
 def _rope_theta(config) -> float:

@@ -119,3 +119,42 @@ def test_top_k_top_p_restrict_the_support():
     ps = {int(sample_token(logits, 1.0, top_p=0.5, generator=g)) for _ in range(200)}
     assert ps == {0}  # p(0) = 0.64 >= 0.5 alone
     assert int(sample_token(logits, 0.0)) == 0
+
+
+def test_near_the_budget_the_full_trained_block_is_drafted_and_cut(target, monkeypatch):
+    """Verifying fewer tokens near the token budget (or at a smaller block size) still
+    drafts the block the drafter was trained on, then cuts it: same cost, trained problem."""
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=8)
+    widths = []
+    real = DFlashDrafter.draft_hidden
+
+    def spy(self, cache, block_embeds, positions, fused=True):
+        widths.append(block_embeds.shape[1])
+        return real(self, cache, block_embeds, positions, fused)
+
+    monkeypatch.setattr(DFlashDrafter, "draft_hidden", spy)
+    for budget, B in ((3, None), (11, None), (9, 4)):
+        widths.clear()
+        out = spec_generate(target, drafter, PROMPTS[0], budget, block_size=B)
+        assert out.tokens == target_generate(target, PROMPTS[0], budget).tokens
+        assert widths and set(widths) == {8}, widths
+        assert all(n <= (B or 8) for n in out.acceptance_lengths)
+
+
+def test_auto_block_size_maximises_expected_tokens_per_second(target):
+    from dflash_ext.decoding import choose_block_size
+
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=8)
+    none = choose_block_size(target, drafter, 12)
+    assert none.block_size == 8 and not none.tokens_per_second  # no profile: the trained block
+    drafter.acceptance_profile = [0.9 ** j for j in range(1, 8)]
+    choice = choose_block_size(target, drafter, 12)
+    assert set(choice.tokens_per_second) == {2, 3, 4, 6, 8}
+    assert choice.block_size == max(choice.tokens_per_second, key=choice.tokens_per_second.get)
+    assert choice.expected_tokens[8] == pytest.approx(1 + sum(0.9 ** j for j in range(1, 8)))
+    for b, v in choice.tokens_per_second.items():
+        assert v == pytest.approx(choice.expected_tokens[b] / choice.step_seconds[b])
+    out = spec_generate(target, drafter, PROMPTS[2], 20, block_size="auto")
+    assert out.tokens == target_generate(target, PROMPTS[2], 20).tokens
+    with pytest.raises(ValueError, match="block_size"):
+        spec_generate(target, drafter, PROMPTS[2], 20, block_size="big")

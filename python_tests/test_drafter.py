@@ -136,3 +136,13 @@ def test_drafter_that_does_not_fit_the_target():
         drafter.check_fits(other)
     with pytest.raises(ValueError, match="target layers"):
         drafter.check_fits(tiny_target_config("llama", num_hidden_layers=3))
+
+
+def test_acceptance_profile_travels_with_the_checkpoint(tmp_path):
+    d = DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=4)
+    d.acceptance_profile = [0.5, 0.25, 0.1]
+    d.save_pretrained(tmp_path)
+    assert DFlashDrafter.from_pretrained(str(tmp_path)).acceptance_profile == [0.5, 0.25, 0.1]
+    (tmp_path / "acceptance.json").write_text(json.dumps({"accept": [0.5, 1.5]}))
+    with pytest.raises(ValueError, match="block_size - 1 = 3"):
+        DFlashDrafter.from_pretrained(str(tmp_path))

@@ -9,8 +9,8 @@ import torch
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.training.data import compute_features
-from dflash_ext.training.recipe import block_labels, block_mask, block_mask_mod, loss_weights, sample_anchors
-from dflash_ext.training.trainer import FrozenTargetParts, TrainConfig, sequence_loss, train
+from dflash_ext.training.recipe import IGNORE, block_labels, block_mask, loss_weights, sample_anchors
+from dflash_ext.training.trainer import FrozenTargetParts, TrainConfig, sequence_loss, tau_of, train
 from decoding_helpers import tiny_target, tiny_target_config
 
 
@@ -18,23 +18,29 @@ def test_block_mask_matches_hand_built_mask():
     S, B = 6, 2
     anchors = torch.tensor([2, 4])
     m = block_mask(anchors, S, B)
-    # rows: block 0 slots (anchor 2), block 1 slots (anchor 4); cols: ctx 0..5, block rows 0..3
+    # rows: block 0 (anchor 2), block 1 (anchor 4); cols: ctx 0..5, then the block's own 2 rows
     expected = torch.tensor([
-        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0],
-        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
-        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+        [1, 1, 0, 0, 0, 0, 1, 1],
+        [1, 1, 1, 1, 0, 0, 1, 1],
     ], dtype=torch.bool)
     assert torch.equal(m, expected)
-    mod = block_mask_mod(anchors, S, B)
-    q, kv = torch.meshgrid(torch.arange(4), torch.arange(10), indexing="ij")
-    assert torch.equal(mod(0, 0, q, kv), expected)
 
 
 def test_labels_line_up_with_slots():
     ids = torch.arange(100, 120)
     labels = block_labels(ids, torch.tensor([3, 10]), 4)
     assert labels.tolist() == [[104, 105, 106], [111, 112, 113]]  # slot j <-> token anchor + j
+
+
+def test_slots_past_the_end_have_no_label():
+    ids = torch.arange(100, 120)
+    labels = block_labels(ids, torch.tensor([17, 18]), 4)
+    assert labels.tolist() == [[118, 119, IGNORE], [119, IGNORE, IGNORE]]
+
+
+def test_tau_counts_the_accepted_prefix_plus_the_target_token():
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert tau_of(correct) == 1 + (2 + 0 + 4) / 3
 
 
 def test_loss_weights():
@@ -48,9 +54,10 @@ def test_anchors_stay_inside_the_response():
     for _ in range(50):
         S, start, B = int(torch.randint(20, 60, ())), int(torch.randint(1, 15, ())), 4
         a = sample_anchors(start, S, B, 8, g)
-        assert a.numel() == min(8, S - B - start + 1)
-        assert (a >= start).all() and (a <= S - B).all() and a.unique().numel() == a.numel()
-    assert sample_anchors(10, 12, 4, 8).numel() == 0
+        assert a.numel() == min(8, S - 2 - start + 1)
+        assert (a >= start).all() and (a <= S - 2).all() and a.unique().numel() == a.numel()
+    assert sample_anchors(10, 12, 4, 8).tolist() == [10]  # one label left: still an anchor
+    assert sample_anchors(11, 12, 4, 8).numel() == 0
 
 
 def test_training_forward_equals_the_inference_draft_step():
@@ -73,7 +80,7 @@ def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
     d = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     ids = torch.randint(0, 128, (30,))
     feats = torch.randn(30, len(d.config.target_layer_ids) * d.config.hidden_size)
-    loss, _ = sequence_loss(d, frozen, ids, feats, torch.tensor([5, 12, 20]), 4, 4.0)
+    loss, _, _ = sequence_loss(d, frozen, ids, feats, torch.tensor([5, 12, 28]), 4, 4.0)
     loss.backward()
     assert all(p.grad is None for p in frozen.parameters())
     assert all(p.grad is not None for p in d.parameters())
@@ -103,7 +110,7 @@ def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
     prompts = _tiny_corpus(target, str(tmp_path / "data"))
     cfg = TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "ckpt"), num_layers=2, block_size=4,
                       anchors=64, lr=3e-3, epochs=150, batch_size=2, warmup=0.02, save_every=10 ** 9,
-                      log_every=10 ** 9)
+                      log_every=10 ** 9, autocast="none")
     drafter = train(cfg, target, log=lambda m: None)
     drafter.eval()
     loaded = DFlashDrafter.from_pretrained(cfg.out)  # the saved checkpoint is what decoding uses
@@ -122,7 +129,7 @@ def _ddp_worker(rank, world, store, data, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     target = tiny_target()
     cfg = TrainConfig(data=data, out=out, num_layers=1, block_size=4, anchors=8, epochs=1, batch_size=4,
-                      max_steps=3, save_every=10 ** 9, log_every=10 ** 9)
+                      max_steps=3, save_every=10 ** 9, log_every=10 ** 9, autocast="none")
     train(cfg, target, log=lambda m: None)
     dist.destroy_process_group()
 
@@ -133,7 +140,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     data = str(tmp_path / "data")
     _tiny_corpus(target, data, n=8, new_tokens=20)
     cfg = TrainConfig(data=data, out=str(tmp_path / "one"), num_layers=1, block_size=4, anchors=8, epochs=1,
-                      batch_size=4, max_steps=3, save_every=10 ** 9, log_every=10 ** 9)
+                      batch_size=4, max_steps=3, save_every=10 ** 9, log_every=10 ** 9, autocast="none")
     one = train(cfg, target, log=lambda m: None)
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), data, str(tmp_path / "two")), nprocs=2, join=True)
     two = DFlashDrafter.from_pretrained(str(tmp_path / "two"))
@@ -142,3 +149,43 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     # and training moved the weights at all
     fresh = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3, 4])
     assert not torch.equal(fresh.fc.weight, two.fc.weight)
+
+
+def test_live_features_train_exactly_as_cached_ones(tmp_path):
+    """features="live" (a target forward per sequence) computes the cache's features."""
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=4, new_tokens=20)
+    common = dict(data=data, num_layers=1, block_size=4, anchors=8, epochs=1, batch_size=2, max_steps=2,
+                  save_every=10 ** 9, log_every=10 ** 9, autocast="none")
+    cached = train(TrainConfig(out=str(tmp_path / "c"), features="cached", **common), target, log=lambda m: None)
+    live = train(TrainConfig(out=str(tmp_path / "l"), features="live", **common), target, log=lambda m: None)
+    for (n, p1), p2 in zip(cached.state_dict().items(), live.state_dict().values()):
+        # the cache stores bf16 features; live ones are fp32
+        torch.testing.assert_close(p1, p2, rtol=2e-2, atol=2e-3, msg=lambda m: f"{n}: {m}")
+
+
+def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
+    """bf16 autocast with live features and layers started from the target: the held-out
+    tau is logged, resume continues, and the caller's target keeps its dtype."""
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=6, new_tokens=30)
+    os.remove(os.path.join(data, "meta.json"))
+    for f in os.listdir(data):
+        if f.startswith("features-"):
+            os.remove(os.path.join(data, f))
+    cfg = TrainConfig(data=data, out=str(tmp_path / "ckpt"), num_layers=2, block_size=4, anchors=16, epochs=2,
+                      batch_size=2, holdout=2, eval_every=2, save_every=2, log_every=1, autocast="bf16",
+                      init="target", layer_ids=[1, 3, 4], max_steps=3)
+    logs = []
+    train(cfg, target, log=logs.append)
+    assert next(target.parameters()).dtype == torch.float32
+    assert any("features live" in m and "bf16 autocast on" in m for m in logs)
+    evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
+    assert [e["step"] for e in evals] == [2, 3] and all(1 <= e["tau"] <= 4 for e in evals)
+    assert evals[1]["slot_tokens"] > evals[0]["slot_tokens"] > 0
+    cfg.max_steps = 4
+    logs.clear()
+    train(cfg, target, log=logs.append)
+    assert any("resumed at step 3" in m for m in logs)

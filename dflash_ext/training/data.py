@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Sequence
 
 import torch
 
-__all__ = ["generate_responses", "compute_features", "load_records", "FeatureStore"]
+__all__ = ["generate_responses", "target_features", "compute_features", "load_records", "FeatureStore"]
 
 
 def _records_in(folder: str) -> List[dict]:
@@ -90,6 +90,14 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
 
 
 @torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """[S, k*H]: the hidden states of `layer_ids` (layer l = HF ``hidden_states[l+1]``)
+    of one sequence ``input_ids [S]``, concatenated in `layer_ids` order."""
+    hs = target(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+    return torch.cat([hs[l + 1][0] for l in layer_ids], -1)
+
+
+@torch.no_grad()
 def compute_features(target, out_dir: str, layer_ids: Sequence[int], records_per_shard: int = 128) -> None:
     """Hidden states of `layer_ids` for every record without features yet (resumable)."""
     from safetensors.torch import load_file, save_file
@@ -102,9 +110,8 @@ def compute_features(target, out_dir: str, layer_ids: Sequence[int], records_per
     shard = len(glob.glob(os.path.join(out_dir, "features-*.safetensors")))
     pending: Dict[str, torch.Tensor] = {}
     for rec in tqdm(todo, desc="target features", file=sys.stderr):
-        ids = torch.tensor([rec["input_ids"]])
-        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
-        pending[str(rec["id"])] = torch.cat([hs[l + 1][0] for l in layer_ids], -1).to(torch.bfloat16).contiguous()
+        feats = target_features(target, torch.tensor(rec["input_ids"]), layer_ids)
+        pending[str(rec["id"])] = feats.to(torch.bfloat16).contiguous()
         if len(pending) == records_per_shard or rec is todo[-1]:
             save_file(pending, os.path.join(out_dir, f"features-{shard:05d}.safetensors"))
             shard, pending = shard + 1, {}
@@ -123,6 +130,9 @@ class FeatureStore:
             self._handles.append(h)
             for key in h.keys():
                 self._index[int(key)] = h
+
+    def __len__(self) -> int:
+        return len(self._index)
 
     def __contains__(self, rec_id: int) -> bool:
         return rec_id in self._index

@@ -1,18 +1,20 @@
 """The DFlash training recipe: random anchors inside the response, blocks of
 [anchor token, MASK x (B-1)], the block-sparse attention mask, labels and loss weights.
 
-Attention layout of one training sequence (S tokens, nb blocks of B slots): queries are
-the nb*B block slots; keys are the S context rows (the target's projected features of
-the sequence) followed by the nb*B block rows. Block a (anchor p_a) sees context rows at
-positions < p_a and its own B rows (bidirectional), never another block: exactly what
-the block at position p_a sees at inference.
+Attention layout of one training sequence (S tokens, nb blocks of B slots): each block's
+B queries see the S context rows (the target's projected features of the sequence) and
+the block's own B rows. Block a (anchor p_a) sees context rows at positions < p_a and
+its own B rows (bidirectional), never another block: exactly what the block at position
+p_a sees at inference.
 """
 import math
 from typing import Optional
 
 import torch
 
-__all__ = ["default_gamma", "sample_anchors", "block_mask", "block_mask_mod", "block_labels", "loss_weights"]
+__all__ = ["IGNORE", "default_gamma", "sample_anchors", "block_mask", "block_labels", "loss_weights"]
+
+IGNORE = -100  # label of a slot past the end of the sequence (cross_entropy's ignore_index)
 
 
 def default_gamma(block_size: int) -> float:
@@ -22,9 +24,11 @@ def default_gamma(block_size: int) -> float:
 
 def sample_anchors(response_start: int, seq_len: int, block_size: int, n: int,
                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Up to n distinct anchors, sorted, in [response_start, seq_len - block_size]: the
-    anchor token and its B-1 labels all lie inside the response."""
-    lo, hi = max(response_start, 1), seq_len - block_size
+    """Up to n distinct anchors, sorted, in [response_start, seq_len - 2]: the anchor token
+    lies inside the response and has at least one label. Slots past the end of the
+    sequence get no label (``block_labels``), so the last tokens (EOS among them) are
+    learned at every slot, not only at slot B-1."""
+    lo, hi = max(response_start, 1), seq_len - 2
     if hi < lo:
         return torch.empty(0, dtype=torch.long)
     count = hi - lo + 1
@@ -33,32 +37,20 @@ def sample_anchors(response_start: int, seq_len: int, block_size: int, n: int,
 
 
 def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Boolean mask [nb*B, seq_len + nb*B] (True = attend); memory is what one sequence's
-    attention needs, nothing quadratic in the number of sequences."""
+    """Boolean mask [nb, seq_len + block_size] (True = attend) of the per-block attention:
+    block a sees the context rows at positions < anchors[a], then its own B rows."""
     nb = anchors.numel()
-    q_block = torch.arange(nb * block_size, device=anchors.device) // block_size
-    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[q_block][:, None]
-    own = q_block[:, None] == q_block[None, :]
-    return torch.cat([ctx, own], dim=1)
-
-
-def block_mask_mod(anchors: torch.Tensor, seq_len: int, block_size: int):
-    """The same mask as a FlexAttention mask_mod (b, h, q_idx, kv_idx) -> bool."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        q_block = q_idx // block_size
-        is_ctx = kv_idx < seq_len
-        kv_block = (kv_idx - seq_len).clamp(min=0) // block_size
-        return torch.where(is_ctx, kv_idx < anchors[q_block], kv_block == q_block)
-
-    return mask_mod
+    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[:, None]
+    return torch.cat([ctx, ctx.new_ones(nb, block_size)], dim=1)
 
 
 def block_labels(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """labels[a, j - 1] = input_ids[anchor_a + j] for slots j = 1..B-1 (slot 0 is the
-    anchor token itself and has no label)."""
+    anchor token itself and has no label); IGNORE where anchor_a + j is past the end."""
     offsets = torch.arange(1, block_size, device=anchors.device)
-    return input_ids[anchors[:, None] + offsets[None, :]]
+    pos = anchors[:, None] + offsets[None, :]
+    inside = pos < input_ids.numel()
+    return torch.where(inside, input_ids[pos.clamp(max=input_ids.numel() - 1)], IGNORE)
 
 
 def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
