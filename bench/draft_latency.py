@@ -168,7 +168,7 @@ def build_drafter(preset, dtype, device, seed, max_block):
         head_dim=p["head_dim"], intermediate_size=p["intermediate_size"], vocab_size=p["vocab_size"],
         num_target_layers=L, target_layer_ids=default_target_layer_ids(L, p["k"]),
         mask_token_id=p["vocab_size"] - 1, block_size=max_block, rms_norm_eps=p["rms_norm_eps"],
-        rope_theta=p["rope_theta"], max_position_embeddings=1 << 17)
+        rope_parameters={"rope_type": "default", "rope_theta": p["rope_theta"]}, max_position_embeddings=1 << 17)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     # Materialise directly in the target dtype (no fp32 copy of the Qwen3 weights).

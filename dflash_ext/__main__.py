@@ -121,12 +121,14 @@ def cmd_gen_data(args):
     from .training.data import compute_features, generate_responses
 
     torch.set_num_threads(args.threads)
-    model, tok = load_target(args.target)
+    dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
+    model, tok = load_target(args.target, dtype=dtype)
     layer_ids = args.layer_ids or default_target_layer_ids(model.config.num_hidden_layers, args.num_features)
     prompts = load_prompts("sharegpt", args.n, offset=0)
     n = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size)
-    compute_features(model, args.out, layer_ids)
+    if not args.no_features:
+        compute_features(model, args.out, layer_ids)
     with open(os.path.join(args.out, "meta.json"), "w") as f:
         json.dump({"target": args.target or "SmolLM2-135M-Instruct (embedded default)", "records": n,
                    "target_layer_ids": layer_ids, "max_new_tokens": args.max_new_tokens,
@@ -197,6 +199,10 @@ def main(argv=None):
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--num-features", type=int, default=5, help="k target layers (default rule)")
     d.add_argument("--layer-ids", type=int, nargs="*", default=None)
+    d.add_argument("--no-features", action="store_true",
+                   help="responses only (train with --features live: no 5.6 KiB/token feature cache)")
+    d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="target dtype for generation; auto = bfloat16 where the CPU has bf16 units")
     d.add_argument("--threads", type=int, default=2)
     t = sub.add_parser("train", help="train a DFlash drafter on a gen-data folder (torchrun for data parallel)")
     t.add_argument("--data", required=True)

@@ -106,14 +106,15 @@ class DFlashProposer:
     """Glue between the drafter and one target: the target's embedding and LM head, the
     drafter's context cache, and the selected target layers."""
 
-    def __init__(self, drafter: DFlashDrafter, target, capacity: int, fused: bool = True):
+    def __init__(self, drafter: DFlashDrafter, target, capacity: int, fused: bool = True,
+                 draft_window: Optional[int] = None):
         drafter.check_fits(target.config)
         self.drafter, self.fused = drafter, fused
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
-        self.cache: DraftCache = drafter.new_cache(1, capacity)
+        self.cache: DraftCache = drafter.new_cache(1, capacity, draft_window)
 
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
@@ -205,10 +206,13 @@ def _target_forward(target, ids: torch.Tensor, cache, hidden_states: bool = True
 def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
                   block_size: Optional[int] = None, stop_token_ids: Iterable[int] = (), top_k: int = 0,
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
-                  on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+                  on_tokens: Optional[Callable[[List[int]], None]] = None,
+                  draft_window: Optional[int] = None) -> GenerationResult:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list). `drafter` is a :class:`DFlashDrafter` or a proposer object with ``accept`` and
-    ``propose`` (see :class:`DFlashProposer`). `on_tokens` receives each step's new tokens."""
+    ``propose`` (see :class:`DFlashProposer`). `on_tokens` receives each step's new tokens.
+    `draft_window` caps how many of the last context tokens every drafter layer sees (long
+    contexts; the authors' --draft-sliding-window-size)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.shape[0] != 1:
@@ -228,7 +232,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         # The drafter always writes at least the block it was trained on (same cost, the
         # trained problem); the target verifies the first B tokens of it.
         n_draft = max(B, trained) - 1
-        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + n_draft + 1, fused=fused)
+        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + n_draft + 1, fused=fused,
+                                  draft_window=draft_window)
     else:
         B, proposer = block_size, drafter
         n_draft = (B or 1) - 1

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from . import ops, reference
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DraftCache", "default_target_layer_ids"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "DraftCache", "default_target_layer_ids", "default_mask_token_id",
+           "effective_windows"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -38,6 +39,34 @@ def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
     return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
 
 
+# What each config.json key of the reference format does here. A key outside these lists
+# changes the drafted function in some implementation and is rejected at load.
+_QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
+               "rope_scaling", "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers",
+               "layer_types")
+_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config")
+# Metadata, training-only settings, and parts the drafter does not have (embedding, LM head).
+_INERT_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "initializer_range",
+               "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
+               "tie_word_embeddings", "auto_map", "_name_or_path"}
+# Honoured at these values only (the authors' code reads the DFlash ones from dflash_config or the top level).
+_FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+                 "is_causal": (None, False), "input_embedding_scale": (None, 1, 1.0),
+                 "output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0)}
+_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+def _qwen3_config(**fields):
+    """transformers' Qwen3Config: it standardises rope (rope_parameters in 5.x, rope_scaling
+    / rope_theta in 4.x), layer_types and the sliding window exactly as the authors'
+    Qwen3-based DFlashDraftModel sees them, defaults included."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**fields)
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -52,9 +81,12 @@ class DFlashConfig:
     mask_token_id: int
     block_size: int = 16
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    # transformers' standardised rope dict (rope_type, rope_theta, scaling fields); None =
+    # Qwen3Config's default, so the default theta lives in one place: transformers.
+    rope_parameters: Optional[dict] = None
     max_position_embeddings: int = 40960
-    sliding_window: Optional[int] = None  # draft context window (None = the whole context)
+    sliding_window: Optional[int] = None  # window of the "sliding_attention" layers (None = none)
+    layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -68,10 +100,57 @@ class DFlashConfig:
                              f"{self.num_target_layers} layers")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
+                * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers or \
+                not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"layer_types must name full_attention or sliding_attention for each of the "
+                             f"{self.num_hidden_layers} layers, got {self.layer_types}")
+        hf = self.hf_config()  # validates the rope parameters as transformers does
+        self.rope_parameters = dict(hf.rope_parameters)
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported (the fused ops rotate the whole head)")
+
+    def hf_config(self):
+        return _qwen3_config(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters) if self.rope_parameters else None,
+            use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
+            layer_types=list(self.layer_types))
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    @property
+    def layer_windows(self) -> List[int]:
+        """Per layer: how many of the last context rows it sees (0 = all of them)."""
+        return [self.sliding_window if t == "sliding_attention" and self.sliding_window else 0
+                for t in self.layer_types]
+
+    @property
+    def rope_position_limit(self) -> Optional[int]:
+        """dynamic and longrope recompute every frequency from the whole sequence length once
+        it passes this many positions; an incremental context cache cannot follow that."""
+        t = self.rope_parameters.get("rope_type", "default")
+        if t == "dynamic":
+            return self.max_position_embeddings
+        if t == "longrope":
+            return self.rope_parameters.get("original_max_position_embeddings", self.max_position_embeddings)
+        return None
 
     def to_json_dict(self) -> dict:
         """The reference format: a Qwen3 config plus the DFlash fields."""
-        return {
+        rope = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+        sliding = "sliding_attention" in self.layer_types and self.sliding_window is not None
+        d = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
@@ -91,9 +170,14 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
                               "mask_token_id": self.mask_token_id},
-            "sliding_window": self.sliding_window,
-            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window if sliding else None,
+            "use_sliding_window": sliding,
         }
+        if rope.get("rope_type", "default") != "default":
+            d["rope_scaling"] = rope  # read by transformers 4.x and 5.x alike
+        if sliding:
+            d["layer_types"] = list(self.layer_types)
+        return d
 
     @classmethod
     def from_json_dict(cls, d: dict) -> "DFlashConfig":
@@ -103,24 +187,43 @@ class DFlashConfig:
             return d[key]
 
         dflash = need("dflash_config")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (d.get("rope_parameters") or d.get("rope_scaling") or {}).get("rope_theta", 1e6)
-        window = d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None
-        if "layer_types" in d and window is not None and "sliding_attention" not in d["layer_types"]:
-            window = None
-        heads = need("num_attention_heads")
+        _reject_unsupported(d, dflash)
+        need("num_attention_heads"), need("hidden_size")
+        hf = _qwen3_config(**{k: d[k] for k in _QWEN3_KEYS if k in d})
         return cls(
-            hidden_size=need("hidden_size"), num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or need("hidden_size") // heads,
+            hidden_size=hf.hidden_size, num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+            head_dim=d.get("head_dim") or hf.hidden_size // hf.num_attention_heads,
             intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
             num_target_layers=need("num_target_layers"),
             target_layer_ids=list(dflash.get("target_layer_ids") or []),
-            mask_token_id=int(dflash["mask_token_id"]), block_size=d.get("block_size", 16),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-            max_position_embeddings=d.get("max_position_embeddings", 40960), sliding_window=window,
+            mask_token_id=int(dflash["mask_token_id"]),
+            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+            rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
+            max_position_embeddings=hf.max_position_embeddings,
+            sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
+            layer_types=list(hf.layer_types),
         )
+
+
+def _reject_unsupported(d: dict, dflash: dict) -> None:
+    """A config field that changes the drafted function and is not implemented here is an
+    error at load, never silently ignored."""
+    problems = []
+    known = set(_QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES)
+    unknown = sorted(k for k in d if k not in known)
+    if unknown:
+        problems.append(f"unsupported fields {unknown}")
+    unknown_inner = sorted(k for k in dflash if k not in _DFLASH_INNER_KEYS | set(_FIXED_VALUES))
+    if unknown_inner:
+        problems.append(f"unsupported dflash_config fields {unknown_inner}")
+    for key, allowed in _FIXED_VALUES.items():
+        for where, src in (("", d), ("dflash_config.", dflash)):
+            if key in src and src[key] not in allowed:
+                problems.append(f"{where}{key}={src[key]!r} (supported: {[a for a in allowed if a is not None]})")
+    if problems:
+        raise ValueError("drafter config.json: " + "; ".join(problems)
+                         + " (README, 'Checkpoints': what is supported)")
 
 
 class RMSNorm(nn.Module):
@@ -181,18 +284,31 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def effective_windows(config: DFlashConfig, draft_window: Optional[int] = None) -> List[int]:
+    """Per layer, the number of last context rows it sees (0 = all): a sliding_attention
+    layer its `sliding_window`, a full_attention layer everything. `draft_window` (like
+    the authors' --draft-sliding-window-size) caps every layer's view, full ones included,
+    for long contexts."""
+    if draft_window is not None and draft_window < 1:
+        raise ValueError(f"draft_window must be >= 1 (or None), got {draft_window}")
+    if not draft_window:
+        return config.layer_windows
+    return [min(w, draft_window) if w else draft_window for w in config.layer_windows]
+
+
 class DraftCache:
     """The drafter's context KV cache: ``[N, batch * capacity, Hkv, D]`` for K and V;
     sequence b owns rows ``b * capacity .. (b+1) * capacity - 1`` and ``lengths[b]`` of
     them hold accepted tokens. Only accepted tokens advance it."""
 
-    def __init__(self, config: DFlashConfig, batch_size: int, capacity: int, device, dtype):
+    def __init__(self, config: DFlashConfig, batch_size: int, capacity: int, device, dtype,
+                 draft_window: Optional[int] = None):
         shape = (config.num_hidden_layers, batch_size * capacity, config.num_key_value_heads,
                  config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
-        self.window = config.sliding_window or 0
+        self.windows = effective_windows(config, draft_window)
         self.lengths = [0] * batch_size
         self.offsets = torch.arange(batch_size, device=device, dtype=torch.long) * capacity
 
@@ -226,8 +342,9 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
                     mask_token_id: Optional[int] = None, target_layer_ids: Optional[Sequence[int]] = None,
-                    seed: Optional[int] = 0, **overrides) -> "DFlashDrafter":
-        """A fresh, randomly initialised drafter that fits a Hugging Face target config."""
+                    seed: Optional[int] = 0, tokenizer=None, **overrides) -> "DFlashDrafter":
+        """A fresh, randomly initialised drafter that fits a Hugging Face target config
+        (`tokenizer`, when given, picks the mask token: :func:`default_mask_token_id`)."""
         L = target_config.num_hidden_layers
         heads = target_config.num_attention_heads
         config = DFlashConfig(
@@ -239,9 +356,10 @@ class DFlashDrafter(nn.Module):
             num_target_layers=L,
             target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
             else default_target_layer_ids(L, num_layers),
-            mask_token_id=target_config.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            mask_token_id=default_mask_token_id(target_config.vocab_size, tokenizer) if mask_token_id is None
+            else mask_token_id,
             block_size=block_size, rms_norm_eps=target_config.rms_norm_eps,
-            rope_theta=_rope_theta(target_config),
+            rope_parameters=_target_rope(target_config),
             max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
         )
         for k, v in overrides.items():
@@ -329,9 +447,9 @@ class DFlashDrafter(nn.Module):
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
     # ------------------------------------------------------------------ state for the ops
-    def new_cache(self, batch_size: int, capacity: int) -> DraftCache:
+    def new_cache(self, batch_size: int, capacity: int, draft_window: Optional[int] = None) -> DraftCache:
         p = self.fc.weight
-        return DraftCache(self.config, batch_size, capacity, p.device, p.dtype)
+        return DraftCache(self.config, batch_size, capacity, p.device, p.dtype, draft_window)
 
     def _stacked_kv_weights(self):
         """[N, Hkv*D, H] K and V weights and [N, D] k_norm weights of all layers, rebuilt
@@ -347,16 +465,24 @@ class DFlashDrafter(nn.Module):
         return self._stacked[1:]
 
     def rope_tables(self, length: int):
-        """cos, sin [P, D] (rotate_half convention) covering positions < length."""
+        """cos, sin [P, D] covering positions < length, computed by transformers' own Qwen3
+        rotary embedding from the config (every rope type it implements, with the attention
+        scaling YaRN / longrope apply to cos and sin)."""
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
         p = self.fc.weight
         if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != p.device \
                 or self._rope[0].dtype != p.dtype:
-            P = max(length, 2 * (self._rope[0].shape[0] if self._rope is not None else 1024))
-            D = self.config.head_dim
-            inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-            freqs = torch.outer(torch.arange(P, dtype=torch.float64), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope = (emb.cos().to(p.device, p.dtype), emb.sin().to(p.device, p.dtype))
+            limit = self.config.rope_position_limit
+            if limit is not None and length > limit:
+                raise ValueError(
+                    f"rope_type {self.config.rope_parameters['rope_type']!r} recomputes every frequency from the "
+                    f"whole sequence length past {limit} positions; drafting at {length} positions is not supported")
+            P = max(length, 2 * (self._rope[0].shape[0] if self._rope is not None else 512))
+            P = min(P, limit) if limit is not None else P
+            rotary = Qwen3RotaryEmbedding(self.config.hf_config())
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(P)[None])
+            self._rope = (cos[0].to(p.device, p.dtype), sin[0].to(p.device, p.dtype))
         return self._rope
 
     # ------------------------------------------------------------------ the draft step
@@ -391,7 +517,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens,
-                                                             scale, cache.window))
+                                                             scale, cache.windows[i]))
         return self.norm(x)
 
     # ------------------------------------------------------------------ training forward
@@ -416,9 +542,11 @@ class DFlashDrafter(nn.Module):
         cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
         pos = anchors[:, None] + torch.arange(B, device=anchors.device)  # [nb, B]
         cos_b, sin_b = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
-        mask = block_mask(anchors, S, B)[:, None, None, :]  # [nb, 1, 1, S + B], broadcast over heads and rows
+        masks = {w: block_mask(anchors, S, B, w)[:, None, None, :]  # [nb, 1, 1, S + B], broadcast over heads, rows
+                 for w in set(c.layer_windows)}
         x = block_embeds
-        for layer in self.layers:
+        for layer, window in zip(self.layers, c.layer_windows):
+            mask = masks[window]
             a = layer.self_attn
             k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
             v_ctx = a.v_proj(ctx).view(S, Hkv, D)
@@ -434,12 +562,28 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def _rope_theta(config) -> float:
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        theta = params.get("rope_theta", 10000.0)
-    return float(theta)
+def _target_rope(config) -> Optional[dict]:
+    """The target's rope as a rope_parameters dict (transformers 5.x keeps it standardised;
+    4.x configs have rope_scaling + rope_theta)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
+    if getattr(config, "rope_theta", None) is not None:
+        params["rope_theta"] = config.rope_theta
+    return params
+
+
+def default_mask_token_id(vocab_size: int, tokenizer=None) -> int:
+    """The mask token of a fresh drafter: the tokenizer's own mask token where it has one;
+    else the first embedding row no token of the tokenizer uses (vocabularies padded past
+    the tokenizer); else the last vocab id (then a real token: nothing better exists)."""
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
+            return int(tokenizer.mask_token_id)
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+    return vocab_size - 1
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -60,7 +60,8 @@ def test_e2e_quick(tmp_path):
     sets = ["--sets", "mtbench", "--n", "1"] if have_sets else ["--sets"]
     proc = _run("e2e.py", [
         "--quick", *sets, "--prompts", "What is the capital of France?", "--max-new-tokens", "12",
-        "--block-size", "4", "--threads", "1", "--no-progress", "--json", str(out), "--png", str(png)])
+        "--block-size", "4", "--threads", "1", "--dtype", "float32", "--no-progress", "--json", str(out),
+        "--png", str(png)])
     assert "UNTRAINED" in proc.stdout or "untrained" in proc.stdout
     data = json.loads(out.read_text())
     meta = data["metadata"]

@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import sys
+import time
 from typing import Dict, Iterator, List, Sequence
 
 import torch
@@ -55,7 +56,8 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     shard = len(glob.glob(os.path.join(out_dir, "responses-*.jsonl")))
     todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch: less padding
-    bar = tqdm(total=len(todo), desc="generating responses", file=sys.stderr)
+    bar = tqdm(total=len(todo), desc="generating responses", unit="resp", file=sys.stderr)
+    t0, new_tokens = time.perf_counter(), 0
     written_in_shard = shard_size
     f = None
     for b0 in range(0, len(todo), batch_size):
@@ -82,7 +84,9 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
             f.write(json.dumps({"id": i, "input_ids": ids + resp, "response_start": len(ids)}) + "\n")
             f.flush()
             written_in_shard += 1
+            new_tokens += len(resp)
         bar.update(len(batch))
+        bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s")
     if f:
         f.close()
     bar.close()

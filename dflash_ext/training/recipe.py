@@ -36,11 +36,15 @@ def sample_anchors(response_start: int, seq_len: int, block_size: int, n: int,
     return (pick + lo).sort().values
 
 
-def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, window: int = 0) -> torch.Tensor:
     """Boolean mask [nb, seq_len + block_size] (True = attend) of the per-block attention:
-    block a sees the context rows at positions < anchors[a], then its own B rows."""
+    block a sees the context rows at positions < anchors[a] (only the last `window` of
+    them when window > 0, as a sliding layer does at inference), then its own B rows."""
     nb = anchors.numel()
-    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[:, None]
+    pos = torch.arange(seq_len, device=anchors.device)[None, :]
+    ctx = pos < anchors[:, None]
+    if window > 0:
+        ctx &= pos >= anchors[:, None] - window
     return torch.cat([ctx, ctx.new_ones(nb, block_size)], dim=1)
 
 

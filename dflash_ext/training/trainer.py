@@ -303,7 +303,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         log(f"[eval] step {step} slot-tokens {seen_slots} held-out tau {tau:.3f} ({time.time() - t:.0f}s)")
 
     os.makedirs(cfg.out, exist_ok=True)
-    t0, window_slots = time.time(), 0
+    t0, window_slots, window_loss, window_steps = time.time(), 0, 0.0, 0
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
         order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
@@ -339,12 +339,14 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         opt.step()
         sched.step()
         step += 1
+        window_loss, window_steps = window_loss + loss_sum * world / total_w, window_steps + 1
         if rank == 0 and (step % cfg.log_every == 0 or step == total):
             dt = time.time() - t0
-            log(f"[train] step {step}/{total} epoch {epoch} loss {loss_sum * world / total_w:.4f} "
+            # loss: mean over the steps since the last line (rank 0's share of each batch, scaled)
+            log(f"[train] step {step}/{total} epoch {epoch} loss {window_loss / window_steps:.4f} "
                 f"lr {sched.get_last_lr()[0]:.2e} "
                 f"{window_slots / dt:.0f} slot-tokens/s")
-            t0, window_slots = time.time(), 0
+            t0, window_slots, window_loss, window_steps = time.time(), 0, 0.0, 0
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
             evaluate()
         if step % cfg.save_every == 0 or step == total:

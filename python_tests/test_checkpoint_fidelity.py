@@ -1,0 +1,227 @@
+"""Every config the authors' Qwen3-based drafter honours computes the same function here:
+rope of every type transformers implements (its own rotary embedding is the reference),
+per-layer sliding/full attention, and a clear error for fields we do not implement.
+
+The reference below is written independently of dflash_ext.drafter: transformers'
+Qwen3RotaryEmbedding and apply_rotary_pos_emb, and plain softmax attention over
+[context K/V ; block K/V], as the authors' model computes one draft step."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_ext.drafter import DFlashConfig, DFlashDrafter
+
+H, HQ, HKV, D, N_LAYERS, K_FEATS = 64, 4, 2, 16, 2, 2
+
+ROPES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 128},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 128,
+                 "short_factor": [1.0 + 0.1 * i for i in range(D // 2)],
+                 "long_factor": [2.0 + 0.3 * i for i in range(D // 2)], "factor": 4.0},
+}
+
+
+def config_json(rope=None, layer_types=None, sliding_window=None, **extra):
+    d = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+         "num_hidden_layers": N_LAYERS, "num_attention_heads": HQ, "num_key_value_heads": HKV, "head_dim": D,
+         "intermediate_size": 96, "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+         "max_position_embeddings": 512, "hidden_act": "silu", "attention_bias": False, "block_size": 4,
+         "num_target_layers": 6, "dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99}}
+    if rope:
+        d["rope_scaling"] = dict(rope)
+    if layer_types:
+        d.update(layer_types=layer_types, use_sliding_window=True, sliding_window=sliding_window)
+    d.update(extra)
+    return d
+
+
+def random_drafter(d, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(DFlashConfig.from_json_dict(d))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return drafter.to(dtype).eval()
+
+
+def plain_draft_step(drafter, d, feats, block_embeds, start):
+    """The authors' draft step written from transformers' parts: context rows 0..T-1 at
+    positions 0..T-1 and the block at positions start..start+B-1 in one rotary call."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    hf = Qwen3Config(**{k: v for k, v in d.items() if k not in ("dflash_config", "block_size",
+                                                                   "num_target_layers", "architectures")})
+    T, B = feats.shape[0], block_embeds.shape[0]
+    positions = torch.cat([torch.arange(T), torch.arange(start, start + B)])[None]
+    cos, sin = Qwen3RotaryEmbedding(hf)(block_embeds[None], positions)
+
+    def norm(x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, hf.rms_norm_eps)
+
+    ctx = norm(F.linear(feats, drafter.fc.weight), drafter.hidden_norm.weight)
+    x = block_embeds
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        h = norm(x, layer.input_layernorm.weight)
+        q = norm(F.linear(h, a.q_proj.weight).view(B, HQ, D), a.q_norm.weight).transpose(0, 1)[None]
+        k = norm(torch.cat([F.linear(ctx, a.k_proj.weight), F.linear(h, a.k_proj.weight)]).view(T + B, HKV, D),
+                 a.k_norm.weight).transpose(0, 1)[None]
+        v = torch.cat([F.linear(ctx, a.v_proj.weight), F.linear(h, a.v_proj.weight)]).view(T + B, HKV, D)
+        v = v.transpose(0, 1)[None]
+        q, _ = apply_rotary_pos_emb(q, q, cos[:, T:], sin[:, T:])
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        visible = torch.ones(T + B, dtype=torch.bool)
+        if hf.layer_types[i] == "sliding_attention" and hf.sliding_window:
+            visible[:max(0, T - hf.sliding_window)] = False  # the last `sliding_window` context rows + the block
+        k, v = k.repeat_interleave(HQ // HKV, 1)[..., visible, :], v.repeat_interleave(HQ // HKV, 1)[..., visible, :]
+        p = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * D ** -0.5, -1)
+        o = (p @ v.float()).to(x.dtype)[0].transpose(0, 1).reshape(B, HQ * D)
+        x = x + F.linear(o, a.o_proj.weight)
+        h = norm(x, layer.post_attention_layernorm.weight)
+        m = layer.mlp
+        x = x + F.linear(F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight), m.down_proj.weight)
+    return norm(x, drafter.norm.weight)
+
+
+def our_draft_step(drafter, feats, block_embeds, start, fused=True):
+    cache = drafter.new_cache(1, feats.shape[0] + 8)
+    drafter.add_context(cache, 0, list(feats.split(H, -1)), torch.arange(feats.shape[0]), fused=fused)
+    B = block_embeds.shape[0]
+    return drafter.draft_hidden(cache, block_embeds[None], torch.arange(start, start + B)[None], fused=fused)[0]
+
+
+CASES = [(name, rope, None, None) for name, rope in ROPES.items()] + [
+    ("mixed sliding/full", ROPES["yarn"], ["sliding_attention", "full_attention"], 5),
+    ("sliding/sliding", None, ["sliding_attention", "sliding_attention"], 7),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("name,rope,layer_types,window", CASES, ids=[c[0] for c in CASES])
+def test_draft_step_equals_an_independent_transformers_reference(name, rope, layer_types, window, fused, dtype):
+    d = config_json(rope, layer_types, window)
+    drafter = random_drafter(d, dtype)
+    T = 100 if name == "longrope" else 200  # past yarn/llama3's original 128 positions; longrope stays inside
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(T, K_FEATS * H, generator=g).to(dtype)
+    block = torch.randn(4, H, generator=g).to(dtype)
+    with torch.no_grad():
+        ours = our_draft_step(drafter, feats, block, T, fused)
+        ref = plain_draft_step(drafter, d, feats, block, T)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(ours.float(), ref.float(), **tol)
+
+
+def test_rope_really_changes_the_function():
+    """The cases above would pass vacuously if scaling were ignored on both sides."""
+    g = torch.Generator().manual_seed(1)
+    feats, block = torch.randn(200, K_FEATS * H, generator=g), torch.randn(4, H, generator=g)
+    with torch.no_grad():
+        plain = our_draft_step(random_drafter(config_json()), feats, block, 200)
+        for name in ("linear", "yarn", "llama3", "dynamic"):
+            scaled_d = config_json(ROPES[name])
+            scaled = our_draft_step(random_drafter(scaled_d), feats, block, 200)
+            if name != "dynamic":  # dynamic equals default below max_position_embeddings
+                assert (plain - scaled).abs().max() > 1e-3, name
+            else:
+                torch.testing.assert_close(plain, scaled)
+
+
+def test_yarn_scales_cos_and_sin_as_transformers_does():
+    drafter = random_drafter(config_json(ROPES["yarn"]))
+    cos, _ = drafter.rope_tables(10)
+    # position 0: cos = 1 times YaRN's attention factor 0.1 ln(factor) + 1
+    assert cos[0, 0].item() == pytest.approx(0.1 * math.log(4.0) + 1, rel=1e-6)
+
+
+def test_dynamic_and_longrope_past_their_static_range_are_errors():
+    for name, limit in (("dynamic", 512), ("longrope", 128)):
+        drafter = random_drafter(config_json(ROPES[name]))
+        drafter.rope_tables(limit)
+        with pytest.raises(ValueError, match="recomputes every frequency"):
+            drafter.rope_tables(limit + 1)
+
+
+def test_config_round_trip_keeps_rope_and_layer_types(tmp_path):
+    d = config_json(ROPES["llama3"], ["sliding_attention", "full_attention"], 9)
+    drafter = random_drafter(d)
+    drafter.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["rope_scaling"]["rope_type"] == "llama3" and saved["layer_types"] == d["layer_types"]
+    again = DFlashDrafter.from_pretrained(str(tmp_path))
+    assert again.config.rope_parameters == drafter.config.rope_parameters
+    assert again.config.layer_windows == [9, 0]
+
+
+@pytest.mark.parametrize("fmt", ["rope_parameters", "rope_scaling"])
+def test_both_rope_formats_read_alike(fmt):
+    d = config_json()
+    rope = dict(ROPES["yarn"], rope_theta=50000.0)
+    d.pop("rope_theta")
+    d[fmt] = rope if fmt == "rope_parameters" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    if fmt == "rope_scaling":
+        d["rope_theta"] = 50000.0
+    c = DFlashConfig.from_json_dict(d)
+    assert c.rope_parameters["rope_type"] == "yarn" and c.rope_theta == 50000.0
+
+
+def test_rope_theta_default_is_transformers_default():
+    from transformers import Qwen3Config
+
+    d = config_json()
+    d.pop("rope_theta")
+    assert DFlashConfig.from_json_dict(d).rope_theta == Qwen3Config().rope_parameters["rope_theta"]
+
+
+def test_sliding_window_needs_use_sliding_window_as_in_transformers():
+    d = config_json(None, ["sliding_attention", "full_attention"], 5)
+    d["use_sliding_window"] = False
+    assert DFlashConfig.from_json_dict(d).layer_windows == [0, 0]
+
+
+def test_draft_window_override_caps_every_layer():
+    from dflash_ext.drafter import effective_windows
+
+    c = DFlashConfig.from_json_dict(config_json(None, ["sliding_attention", "full_attention"], 5))
+    assert effective_windows(c) == [5, 0]
+    assert effective_windows(c, 3) == [3, 3] and effective_windows(c, 64) == [5, 64]
+    with pytest.raises(ValueError, match="draft_window"):
+        effective_windows(c, 0)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"mystery_scale": 2.0}, r"unsupported fields \['mystery_scale'\]"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"is_causal": True}, "is_causal=True"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "conv_kernel_size": 4}},
+     r"unsupported dflash_config fields \['conv_kernel_size'\]"),
+    ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "input_embedding_scale": 2.0}},
+     "dflash_config.input_embedding_scale=2.0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                       "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+])
+def test_unsupported_fields_are_rejected_at_load(tmp_path, extra, match):
+    d = config_json(**extra)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=match):
+        DFlashConfig.from_json_dict(d)
+
+
+def test_the_shipped_drafter_config_loads():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m-b16", "config.json")
+    c = DFlashConfig.from_json_dict(json.load(open(path)))
+    assert c.rope_theta == 100000.0 and c.layer_windows == [0] * c.num_hidden_layers
