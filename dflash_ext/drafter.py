@@ -372,11 +372,15 @@ class DFlashDrafter(nn.Module):
         return drafter
 
     @classmethod
-    def from_pretrained(cls, path: str, device=None, dtype=None) -> "DFlashDrafter":
+    def from_pretrained(cls, path: str, device=None, dtype=None, cache_dir: Optional[str] = None,
+                        local_files_only: Optional[bool] = None, revision: Optional[str] = None) -> "DFlashDrafter":
+        """Load a reference-format checkpoint from a local folder or a Hugging Face repo id
+        (resolved through the local hub cache; a download is tried only when neither
+        `local_files_only` nor HF_HUB_OFFLINE forbids it). `dtype` is a torch dtype, its
+        name, or "auto"/None (the checkpoint's dtype); `device` as in ``.to()``."""
         from safetensors.torch import load_file
 
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
+        path = _resolve_checkpoint(path, cache_dir, local_files_only, revision)
         cfg_path = os.path.join(path, CONFIG_NAME)
         if not os.path.exists(cfg_path):
             raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_NAME}")
@@ -398,6 +402,12 @@ class DFlashDrafter(nn.Module):
                 raise ValueError(f"{acc_path}: 'accept' must hold block_size - 1 = {config.block_size - 1} "
                                  f"probabilities, got {profile}")
             drafter.acceptance_profile = [float(p) for p in profile]
+        if isinstance(dtype, str) and dtype != "auto":
+            named = getattr(torch, dtype.replace("torch.", ""), None)
+            if not isinstance(named, torch.dtype):
+                raise ValueError(f"dtype {dtype!r} is not a torch dtype")
+            dtype = named
+        dtype = None if dtype == "auto" else dtype
         # Default: the dtype the checkpoint was written in.
         return drafter.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
 
@@ -560,6 +570,36 @@ class DFlashDrafter(nn.Module):
 
             x = layer(x, cos_b, sin_b, attend)
         return self.norm(x)
+
+
+def _resolve_checkpoint(path: str, cache_dir, local_files_only, revision) -> str:
+    """A local folder as it is; anything else is a Hugging Face repo id looked up in the
+    local hub cache (huggingface_hub), fetched only where that is allowed."""
+    if os.path.isdir(path):
+        return path
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an "org/name" repo id
+        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    offline = constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
+    patterns = [CONFIG_NAME, "*.safetensors", ACCEPTANCE_NAME]
+    try:
+        return snapshot_download(path, cache_dir=cache_dir, revision=revision, local_files_only=True,
+                                 allow_patterns=patterns)
+    except HFValidationError:
+        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}") from None
+    except Exception as cached_error:  # not in the cache
+        if offline:
+            raise FileNotFoundError(
+                f"drafter checkpoint {path!r} is neither a local folder nor in the local Hugging Face cache "
+                f"({cache_dir or constants.HF_HUB_CACHE}); offline (HF_HUB_OFFLINE / local_files_only), so it "
+                f"is not downloaded") from cached_error
+    try:
+        return snapshot_download(path, cache_dir=cache_dir, revision=revision, allow_patterns=patterns)
+    except Exception as e:
+        raise FileNotFoundError(f"drafter checkpoint {path!r} is neither a local folder nor in the local Hugging "
+                                f"Face cache, and fetching it failed: {type(e).__name__}: {e}") from e
 
 
 def _target_rope(config) -> Optional[dict]:

@@ -146,3 +146,42 @@ def test_acceptance_profile_travels_with_the_checkpoint(tmp_path):
     (tmp_path / "acceptance.json").write_text(json.dumps({"accept": [0.5, 1.5]}))
     with pytest.raises(ValueError, match="block_size - 1 = 3"):
         DFlashDrafter.from_pretrained(str(tmp_path))
+
+
+def _hub_cache(root, repo_id, drafter):
+    """The layout huggingface_hub keeps: models--org--name/{refs/main, snapshots/<hash>/...}."""
+    folder = root / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    drafter.save_pretrained(folder / "snapshots" / commit)
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+
+
+def test_from_pretrained_resolves_a_repo_id_through_the_local_hub_cache(tmp_path, monkeypatch):
+    d = _drafter()
+    _hub_cache(tmp_path, "someone/tiny-dflash", d)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = DFlashDrafter.from_pretrained("someone/tiny-dflash", cache_dir=str(tmp_path), dtype="bfloat16")
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(loaded.fc.weight.float(), d.fc.weight.bfloat16().float())
+    with pytest.raises(FileNotFoundError, match="nor in the local Hugging Face cache"):
+        DFlashDrafter.from_pretrained("someone/absent", cache_dir=str(tmp_path), local_files_only=True)
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        DFlashDrafter.from_pretrained("someone/tiny-dflash", cache_dir=str(tmp_path), dtype="float13")
+    assert DFlashDrafter.from_pretrained("someone/tiny-dflash", cache_dir=str(tmp_path), dtype="auto",
+                                         device="cpu").fc.weight.dtype == d.fc.weight.dtype
+
+
+def test_default_mask_token_rule():
+    from types import SimpleNamespace
+
+    from dflash_ext.drafter import default_mask_token_id
+
+    class Tok(SimpleNamespace):
+        def __len__(self):
+            return self.n
+
+    assert default_mask_token_id(100, Tok(n=90, mask_token_id=None)) == 90   # first row no token uses
+    assert default_mask_token_id(100, Tok(n=100, mask_token_id=7)) == 7      # the tokenizer's own
+    assert default_mask_token_id(100, Tok(n=100, mask_token_id=None)) == 99  # nothing better: the last id
+    assert default_mask_token_id(100) == 99
