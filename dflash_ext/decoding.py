@@ -14,14 +14,14 @@ a sample of the target itself: the output distribution is exactly the target's.
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
 from .drafter import DFlashDrafter, DraftCache
 
-__all__ = ["spec_generate", "target_generate", "GenerationResult", "DFlashProposer", "sample_token", "draft_tokens",
-           "choose_block_size", "BlockSizeChoice"]
+__all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "TargetRunner", "GenerationResult",
+           "DFlashProposer", "sample_token", "draft_tokens", "choose_block_size", "BlockSizeChoice", "check_sampling"]
 
 
 @dataclass
@@ -170,16 +170,15 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     sizes = sorted({b for b in candidates if b <= trained} | {trained})
     if not profile:
         return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
-    device = next(target.parameters()).device
-    ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=device)
-    _, _, cache = _target_forward(target, ids, None, hidden_states=False)
+    runner = TargetRunner(target, drafter.config.target_layer_ids)
+    ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=runner.device)
+    _, feats, cache = runner(ids, None)
     proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
-    feats = _target_forward(target, ids, None)[1]
-    proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=device))
+    proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=runner.device))
     draft_s = _median_seconds(lambda: proposer.propose(1, context_len, trained - 1))
 
     def verify(n):
-        _target_forward(target, ids[:, :n], cache)
+        runner(ids[:, :n], cache)
         _crop(cache, ids.shape[1])
 
     expected, seconds, speed = {}, {}, {}
@@ -191,34 +190,156 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
 
 
-def _target_forward(target, ids: torch.Tensor, cache, hidden_states: bool = True):
-    """One target pass; returns (logits [1, n, V], hidden states or None, cache).
-    Recent transformers name the cache argument `cache`, older ones `past_key_values`."""
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    out = target(input_ids=ids, use_cache=True, output_hidden_states=hidden_states, **{name: cache})
-    new_cache = getattr(out, "cache", None)
-    if new_cache is None:
-        new_cache = out.past_key_values
-    return out.logits, out.hidden_states, new_cache
+class TargetRunner:
+    """One target's forward as the loop calls it. The signature is inspected once (recent
+    transformers name the cache argument `cache`, older ones `past_key_values`), and
+    only the hidden states the drafter reads are asked for where transformers can select
+    them (5.x takes a list of indices in `output_hidden_states`; the tuple keeps its layout,
+    with None elsewhere); otherwise, or if the model returns None for one of them, all."""
+
+    def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        self.needed = [l + 1 for l in layer_ids] if layer_ids else []
+        self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
+
+    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True):
+        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n]."""
+        want = self.select if hidden_states else False
+        before = cache.get_seq_length() if cache is not None else 0
+        out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache})
+        hs = out.hidden_states
+        if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
+                                                      for i in self.needed):
+            self.select = True  # this model cannot select: ask for all from now on, and redo this pass
+            if cache is not None:
+                _crop(cache, before)
+            return self(ids, cache, hidden_states)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = out.past_key_values
+        return out.logits, hs, new_cache
+
+
+def _can_select_hidden_states() -> bool:
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Clear errors for sampling parameters outside their ranges."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+@dataclass
+class DecodeState:
+    """Where one sequence stands: the target's KV cache, the newest token (not yet seen by
+    the target) and its position."""
+    cache: object
+    last: int
+    pos: int
+
+
+def _no_clock(phase: str) -> None:
+    pass
+
+
+def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_size: int, n_draft: int,
+                     sampling: dict, clock: Callable[[str], None] = _no_clock) -> List[int]:
+    """One DFlash step: draft -> verify -> accept -> roll back -> inject. Returns the new
+    tokens (the accepted drafts, then the target's own token) and advances `state`.
+    `clock(phase)` is called as each phase ends, for the caller's timing only."""
+    draft = proposer.propose(state.last, state.pos, n_draft)[:verify_size - 1].to(runner.device) \
+        if verify_size > 1 else torch.empty(0, dtype=torch.long, device=runner.device)
+    clock("draft")
+    block = torch.cat([torch.tensor([state.last], device=runner.device), draft])[None]
+    logits, hidden, state.cache = runner(block, state.cache)
+    clock("verify")
+    target_tokens = sample_token(logits[0], **sampling).tolist()
+    drafts = draft.tolist()
+    a = 0
+    while a < len(drafts) and drafts[a] == target_tokens[a]:
+        a += 1
+    new = target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
+    _crop(state.cache, state.pos + a + 1)
+    clock("other")
+    proposer.accept(hidden, slice(0, a + 1), torch.arange(state.pos, state.pos + a + 1, device=block.device))
+    clock("draft")
+    state.last, state.pos = new[-1], state.pos + a + 1
+    return new
+
+
+class _PhaseClock:
+    """Wall time per phase between calls (synchronising CUDA first)."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.totals = {"draft": 0.0, "verify": 0.0, "other": 0.0}
+        self.t = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.totals[phase] += now - self.t
+        self.t = now
+
+
+class _Emitter:
+    """Appends tokens up to the budget / a stop token, streaming them as they come."""
+
+    def __init__(self, res: GenerationResult, max_new_tokens: int, stop_token_ids, on_tokens, streamer):
+        self.res, self.max_new, self.stops = res, max_new_tokens, set(int(t) for t in stop_token_ids)
+        self.on_tokens, self.streamer = on_tokens, streamer
+
+    def __call__(self, new: List[int]) -> bool:
+        """True when generation is over."""
+        kept = []
+        for t in new:
+            kept.append(t)
+            if t in self.stops or len(self.res.tokens) + len(kept) >= self.max_new:
+                break
+        self.res.tokens.extend(kept)
+        if self.on_tokens:
+            self.on_tokens(kept)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(kept))
+        return kept[-1] in self.stops or len(self.res.tokens) >= self.max_new
 
 
 @torch.no_grad()
 def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
-                  block_size: Optional[int] = None, stop_token_ids: Iterable[int] = (), top_k: int = 0,
+                  block_size=None, stop_token_ids: Iterable[int] = (), top_k: int = 0,
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
                   on_tokens: Optional[Callable[[List[int]], None]] = None,
-                  draft_window: Optional[int] = None) -> GenerationResult:
+                  draft_window: Optional[int] = None, streamer=None) -> GenerationResult:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
-    list). `drafter` is a :class:`DFlashDrafter` or a proposer object with ``accept`` and
-    ``propose`` (see :class:`DFlashProposer`). `on_tokens` receives each step's new tokens.
+    list): the loop around :func:`speculative_step`, which times and streams.
+
+    `drafter` is a :class:`DFlashDrafter` or a proposer object with ``accept`` and
+    ``propose`` (see :class:`DFlashProposer`). `block_size`: the verify block (int), "auto"
+    (:func:`choose_block_size`) or None (the drafter's). `on_tokens` receives each step's
+    new tokens; `streamer` is a Hugging Face streamer (``put``/``end``, e.g. TextStreamer).
     `draft_window` caps how many of the last context tokens every drafter layer sees (long
     contexts; the authors' --draft-sliding-window-size)."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.shape[0] != 1:
         raise ValueError(f"spec_generate decodes one sequence; input_ids has batch {ids.shape[0]}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(target.parameters()).device
     ids = ids.to(device)
     n_prompt = ids.shape[1]
@@ -234,72 +355,41 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         n_draft = max(B, trained) - 1
         proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + n_draft + 1, fused=fused,
                                   draft_window=draft_window)
+        layer_ids = drafter.config.target_layer_ids
     else:
         B, proposer = block_size, drafter
-        n_draft = (B or 1) - 1
+        n_draft = (B or 1) - 1 if isinstance(B, int) else 0
+        layer_ids = getattr(drafter, "layer_ids", None)
     if not isinstance(B, int) or B < 1:
         raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
-    stops = set(int(t) for t in stop_token_ids)
+    runner = TargetRunner(target, layer_ids)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     res = GenerationResult(tokens=[], block_size=B)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def emit(new: List[int]) -> bool:
-        """Append tokens up to the budget / a stop token; True when generation is over."""
-        kept = []
-        for t in new:
-            kept.append(t)
-            if t in stops or len(res.tokens) + len(kept) >= max_new_tokens:
-                break
-        res.tokens.extend(kept)
-        if on_tokens:
-            on_tokens(kept)
-        return kept[-1] in stops or len(res.tokens) >= max_new_tokens
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
 
     start = time.perf_counter()
-    t0 = time.perf_counter()
-    logits, hidden, cache = _target_forward(target, ids, None)
-    sync()
-    res.verify_time += time.perf_counter() - t0
-    last = int(sample_token(logits[0, -1:], temperature, top_k, top_p, generator)[0])
+    clock = _PhaseClock(device)
+    logits, hidden, cache = runner(ids, None)
+    clock("verify")
+    state = DecodeState(cache, int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
     res.time_to_first_token = time.perf_counter() - start
-    done = emit([last])
-    t0 = time.perf_counter()
+    done = emit([state.last])
     if not done:
         proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
-    sync()
-    res.draft_time += time.perf_counter() - t0
-    pos = n_prompt  # position of `last`, the newest token, not yet seen by the target
-
+    clock("draft")
     while not done:
-        bs = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-        t0 = time.perf_counter()
-        draft = proposer.propose(last, pos, n_draft)[:bs - 1] if bs > 1 else \
-            torch.empty(0, dtype=torch.long, device=device)
-        sync()
-        t1 = time.perf_counter()
-        block = torch.cat([torch.tensor([last], device=device), draft.to(device)])[None]
-        logits, hidden, cache = _target_forward(target, block, cache)
-        sync()
-        t2 = time.perf_counter()
-        target_tokens = sample_token(logits[0], temperature, top_k, top_p, generator).tolist()
-        draft_list = draft.tolist()
-        a = 0
-        while a < len(draft_list) and draft_list[a] == target_tokens[a]:
-            a += 1
-        new = target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
-        _crop(cache, pos + a + 1)
+        verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
+        new = speculative_step(runner, proposer, state, verify_size, n_draft, sampling, clock)
         before = len(res.tokens)
         done = emit(new)
         res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
-        t3 = time.perf_counter()
-        if not done:
-            proposer.accept(hidden, slice(0, a + 1), torch.arange(pos, pos + a + 1, device=device))
-        sync()
-        t4 = time.perf_counter()
-        res.draft_time += (t1 - t0) + (t4 - t3)
-        res.verify_time += t2 - t1
-        last, pos = new[-1], pos + a + 1
+        clock("other")
+    if streamer is not None:
+        streamer.end()
     res.total_time = time.perf_counter() - start
+    res.draft_time, res.verify_time = clock.totals["draft"], clock.totals["verify"]
     return res
 
 
@@ -307,26 +397,29 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
 def target_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0,
                     stop_token_ids: Iterable[int] = (), top_k: int = 0, top_p: float = 1.0,
                     generator: Optional[torch.Generator] = None,
-                    on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+                    on_tokens: Optional[Callable[[List[int]], None]] = None, streamer=None) -> GenerationResult:
     """The target alone, one token per forward pass (the baseline, same sampling rules)."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)
-    stops = set(int(t) for t in stop_token_ids)
+    runner = TargetRunner(target)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     res = GenerationResult(tokens=[], block_size=1)
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
     start = time.perf_counter()
-    cache = None
-    while len(res.tokens) < max_new_tokens:
-        logits, _, cache = _target_forward(target, ids, cache, hidden_states=False)
-        t = int(sample_token(logits[0, -1:], temperature, top_k, top_p, generator)[0])
+    cache, done = None, False
+    while not done:
+        logits, _, cache = runner(ids, cache, hidden_states=False)
+        t = int(sample_token(logits[0, -1:], **sampling)[0])
         if not res.tokens:
             res.time_to_first_token = time.perf_counter() - start
-        res.tokens.append(t)
         res.acceptance_lengths.append(1)
-        if on_tokens:
-            on_tokens([t])
-        if t in stops:
-            break
+        done = emit([t])
         ids = torch.tensor([[t]], device=ids.device)
+    if streamer is not None:
+        streamer.end()
     res.total_time = time.perf_counter() - start
     res.verify_time = res.total_time
     return res

@@ -158,3 +158,62 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target):
     assert out.tokens == target_generate(target, PROMPTS[2], 20).tokens
     with pytest.raises(ValueError, match="block_size"):
         spec_generate(target, drafter, PROMPTS[2], 20, block_size="big")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_sampling_parameters_are_validated(target, kw, match):
+    args = dict(max_new_tokens=8)
+    args.update(kw)
+    oracle = OracleProposer([], len(PROMPTS[0]), 128)
+    with pytest.raises(ValueError, match=match):
+        spec_generate(target, oracle, PROMPTS[0], block_size=4, **args)
+    with pytest.raises(ValueError, match=match):
+        target_generate(target, PROMPTS[0], **args)
+
+
+class RecordingStreamer:
+    """The Hugging Face streamer protocol (put / end), as TextStreamer implements it."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_a_hugging_face_streamer_sees_the_prompt_then_every_token(target):
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    for run in (lambda s: spec_generate(target, drafter, PROMPTS[2], 17, streamer=s),
+                lambda s: target_generate(target, PROMPTS[2], 17, streamer=s)):
+        s = RecordingStreamer()
+        out = run(s)
+        assert s.puts[0] == PROMPTS[2] and s.ended == 1  # skip_prompt=True drops the first put
+        assert sum(s.puts[1:], []) == out.tokens
+
+
+def test_the_target_pass_asks_only_for_the_drafter_layers(target, monkeypatch):
+    from dflash_ext.decoding import TargetRunner
+
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    asked = []
+    real = type(target).forward
+
+    def spy(self, *a, **kw):
+        asked.append(kw.get("output_hidden_states"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(target), "forward", spy)
+    runner = TargetRunner(target, drafter.config.target_layer_ids)
+    out = spec_generate(target, drafter, PROMPTS[0], 12)
+    monkeypatch.undo()
+    wanted = [l + 1 for l in drafter.config.target_layer_ids]
+    assert runner.select == wanted  # transformers 5.x selects hidden states by index
+    assert all(a == wanted for a in asked)
+    assert out.tokens == target_generate(target, PROMPTS[0], 12).tokens
