@@ -22,6 +22,7 @@ def _run(script, args, timeout=240):
     return proc
 
 
+@pytest.mark.slow
 def test_draft_latency_quick(tmp_path):
     out, png = tmp_path / "dl.json", tmp_path / "dl.png"
     proc = _run("draft_latency.py", [
@@ -54,6 +55,7 @@ def test_draft_latency_quick(tmp_path):
         assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_e2e_quick(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     have_sets = importlib.util.find_spec("dflash_ext.prompts") is not None

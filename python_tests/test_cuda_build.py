@@ -124,6 +124,7 @@ def test_ptxas_reports_no_spills_and_no_stack_for_any_kernel():
         assert registers and max(registers) <= 255, f"{source}: register counts {registers}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_wgmma", [1, 0], ids=["wgmma", "mma_sync"])
 def test_host_checks_of_layouts_and_plans(use_wgmma, tmp_path):
     """The layout facts the kernels rely on, for every TileGemm configuration they use,

@@ -20,6 +20,7 @@ def smollm2():
     return model, tok, prompts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_greedy_lossless_on_smollm2(smollm2, block_size):
     model, tok, prompts = smollm2

@@ -104,6 +104,7 @@ def _tiny_corpus(target, folder, n=6, prompt_len=6, new_tokens=40, layer_ids=(1,
     return prompts
 
 
+@pytest.mark.slow
 def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
     torch.manual_seed(0)
     target = tiny_target()
@@ -134,6 +135,7 @@ def _ddp_worker(rank, world, store, data, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one_process(tmp_path):
     import torch.multiprocessing as mp
     target = tiny_target()
