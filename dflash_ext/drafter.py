@@ -441,6 +441,16 @@ class DFlashDrafter(nn.Module):
             with open(os.path.join(path, ACCEPTANCE_NAME), "w") as f:
                 json.dump({"accept": self.acceptance_profile}, f)
 
+    def as_assistant(self, target=None, fused: bool = True, draft_window: Optional[int] = None):
+        """An ``assistant_model`` for ``target.generate(..., assistant_model=...,
+        speculation_type="dflash")`` (transformers 5.x), drafting with this drafter and the
+        fused ops (:mod:`dflash_ext.hf_assistant`). With `target`, the fit is checked now."""
+        from .hf_assistant import DFlashAssistant
+
+        if target is not None:
+            self.check_fits(target.config)
+        return DFlashAssistant(self, fused=fused, draft_window=draft_window)
+
     def check_fits(self, target_config) -> None:
         """Raise a clear error when this drafter was not built for `target_config`."""
         c = self.config

@@ -1,0 +1,113 @@
+"""DFlash inside Hugging Face ``generate``: ``DFlashDrafter.as_assistant()`` returns an
+object that ``target.generate(ids, assistant_model=..., speculation_type="dflash")``
+drives through transformers' own ``DFlashTokenCandidateGenerator``.
+
+How transformers calls it (read from ``transformers/generation/candidate_generator.py``,
+5.x): every round it passes the target's hidden states of the tokens accepted since the
+last call (``context_hidden_states [1, n, k*H]``, the selected layers concatenated), the
+target embeddings of [bonus token, MASK x (B-1)] (``noise_embeds``), and ``position_ids``
+covering both (the n context positions, then the B block positions). It keeps its own
+``DFlashCache``, into which a transformers assistant writes the context K/V and the block,
+and from which it crops the block again before the next round.
+
+This adapter keeps the context in our :class:`~dflash_ext.drafter.DraftCache` instead,
+with the same semantics: the n context rows are injected once (``add_context``, the fused
+ops), the block is drafted against them (``draft_hidden``) and never stored, so the crop
+transformers applies to its own cache has nothing to undo here. A call whose context
+starts at position 0 is a new generation and starts a new cache. It needs no weights but
+the drafter's: embeddings and LM head are the target's, as transformers passes them.
+"""
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+__all__ = ["DFlashAssistant", "SUPPORTED_TRANSFORMERS"]
+
+# The transformers releases whose DFlash candidate generator this adapter was read against.
+SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [from, to): read and tested against 5.24
+
+
+def _check_transformers() -> None:
+    import transformers
+
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    lo, hi = SUPPORTED_TRANSFORMERS
+    if not lo <= version < hi:
+        raise RuntimeError(f"DFlashAssistant supports transformers >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]} (its "
+                           f"DFlashTokenCandidateGenerator was read there); installed: {transformers.__version__}")
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator  # noqa: F401
+
+
+class DFlashAssistant:
+    """``assistant_model`` for ``generate(..., speculation_type="dflash")``, drafting with a
+    :class:`~dflash_ext.drafter.DFlashDrafter` and the fused ops."""
+
+    def __init__(self, drafter, fused: bool = True, draft_window: Optional[int] = None):
+        _check_transformers()
+        self.drafter, self.fused, self.draft_window = drafter, fused, draft_window
+        c = drafter.config
+        # What transformers reads: a Qwen3 config (its DFlashCache is built from it) plus the DFlash fields.
+        self.config = c.hf_config()
+        self.config.target_layer_ids = list(c.target_layer_ids)
+        self.config.block_size = c.block_size
+        self.config.mask_token_id = c.mask_token_id
+        self.cache = None
+        self.calls = 0
+        # Tokens the target emitted per verify step, as seen from here: each round's context
+        # is the tokens accepted in the previous one (accepted drafts + the target's token).
+        # The last step of a generation is not followed by a call, so it is not counted.
+        self.acceptance_lengths = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.drafter.fc.weight.dtype
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    def _cache_for(self, needed: int):
+        """Our context cache, grown (doubling, rows copied) when the sequence outgrows it."""
+        if self.cache is None or needed > self.cache.capacity:
+            old = self.cache
+            capacity = max(needed, 2 * old.capacity if old is not None else 1024)
+            self.cache = self.drafter.new_cache(1, capacity, self.draft_window)
+            if old is not None:
+                n = old.lengths[0]
+                self.cache.k[:, :n].copy_(old.k[:, :n])
+                self.cache.v[:, :n].copy_(old.v[:, :n])
+                self.cache.lengths[0] = n
+        return self.cache
+
+    @torch.no_grad()
+    def __call__(self, noise_embeds: torch.Tensor, context_hidden_states: torch.Tensor,
+                 position_ids: torch.Tensor, attention_mask=None, cache=None, **unused):
+        if noise_embeds.shape[0] != 1:
+            raise ValueError(f"DFlashAssistant drafts one sequence (transformers' assisted decoding is batch 1); "
+                             f"got a batch of {noise_embeds.shape[0]}")
+        c = self.drafter.config
+        n = context_hidden_states.shape[1]
+        if noise_embeds.shape[-1] != c.hidden_size:
+            raise ValueError(f"the target's embeddings have width {noise_embeds.shape[-1]}; this drafter was built "
+                             f"for hidden size {c.hidden_size} (it does not fit this target)")
+        if context_hidden_states.shape[-1] != len(c.target_layer_ids) * c.hidden_size:
+            raise ValueError(f"context_hidden_states has width {context_hidden_states.shape[-1]}; this drafter reads "
+                             f"{len(c.target_layer_ids)} target layers of {c.hidden_size}")
+        positions = position_ids[0].to(self.device)
+        if n and int(positions[0]) == 0:  # a new generation: its prefill starts at position 0
+            self.cache, self.acceptance_lengths = None, []
+        else:
+            self.acceptance_lengths.append(n)
+        cache = self._cache_for(int(positions[-1]) + 1)
+        if n:
+            feats = context_hidden_states[0].to(self.device, self.dtype).split(c.hidden_size, -1)
+            self.drafter.add_context(cache, 0, list(feats), positions[:n], fused=self.fused)
+        hidden = self.drafter.draft_hidden(cache, noise_embeds.to(self.device, self.dtype), positions[None, n:],
+                                           fused=self.fused)
+        self.calls += 1
+        return SimpleNamespace(last_hidden_state=hidden)

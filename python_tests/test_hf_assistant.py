@@ -1,0 +1,98 @@
+"""DFlash through Hugging Face generate(assistant_model=drafter.as_assistant(),
+speculation_type="dflash"): lossless, the same drafts as spec_generate, sampling runs,
+and bad use is a clear error."""
+import pytest
+import torch
+
+from dflash_ext.decoding import DFlashProposer, spec_generate, target_generate
+from dflash_ext.drafter import DFlashDrafter
+from decoding_helpers import tiny_target
+
+PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request):
+    return tiny_target(request.param)
+
+
+def hf_generate(target, assistant, prompt, n, **kw):
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, assistant_model=assistant, speculation_type="dflash", max_new_tokens=n,
+                          pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_greedy_through_hf_generate_equals_the_target_and_spec_generate(target, block_size):
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=block_size)
+    assistant = drafter.as_assistant(target)
+    for prompt in PROMPTS:
+        for n in (1, 7, 30):
+            hf = hf_generate(target, assistant, prompt, n, do_sample=False)
+            assert hf == target_generate(target, prompt, n).tokens
+            assert hf == spec_generate(target, drafter, prompt, n).tokens
+
+
+def test_hf_path_drafts_the_blocks_spec_generate_drafts(target, monkeypatch):
+    """Same drafter, same context: the two loops propose identical blocks, step by step."""
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, seed=3)
+    lm_head = target.get_output_embeddings()
+    ours, theirs = [], []
+    real_propose = DFlashProposer.propose
+
+    def spy(self, last, pos, n):
+        out = real_propose(self, last, pos, n)
+        ours.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(DFlashProposer, "propose", spy)
+    spec = spec_generate(target, drafter, PROMPTS[1], 24)
+    assistant = drafter.as_assistant()
+    real_call = type(assistant).__call__
+
+    def record(self, *a, **kw):
+        out = real_call(self, *a, **kw)
+        theirs.append(lm_head(out.last_hidden_state[:, 1:]).argmax(-1)[0].tolist())
+        return out
+
+    monkeypatch.setattr(type(assistant), "__call__", record)
+    hf = hf_generate(target, assistant, PROMPTS[1], 24, do_sample=False)
+    assert hf == spec.tokens
+    k = min(len(ours), len(theirs))
+    assert k >= 3 and ours[:k] == theirs[:k]
+    assert assistant.acceptance_lengths == spec.acceptance_lengths[:len(assistant.acceptance_lengths)]
+
+
+def test_sampling_runs_and_reports_acceptance(target):
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    assistant = drafter.as_assistant(target)
+    torch.manual_seed(0)
+    out = hf_generate(target, assistant, PROMPTS[0], 20, do_sample=True, temperature=1.0)
+    assert 1 <= len(out) <= 20 and all(0 <= t < target.config.vocab_size for t in out)
+    assert assistant.acceptance_lengths and all(1 <= n <= 4 for n in assistant.acceptance_lengths)
+    assert 1 <= assistant.tau <= 4
+
+
+def test_bad_use_is_a_clear_error(target):
+    other = tiny_target("llama", hidden_size=96)
+    drafter = DFlashDrafter.from_target(other.config, num_layers=1, block_size=4)
+    with pytest.raises(ValueError, match="hidden size"):
+        drafter.as_assistant(target)
+    with pytest.raises(ValueError, match="hidden size"):
+        hf_generate(target, drafter.as_assistant(), PROMPTS[0], 8, do_sample=False)
+    fits = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4).as_assistant(target)
+    with pytest.raises(ValueError, match="batch"):
+        target.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), assistant_model=fits, speculation_type="dflash",
+                        max_new_tokens=4, pad_token_id=0, do_sample=False)
+
+
+def test_transformers_outside_the_supported_range_is_refused(monkeypatch):
+    import transformers
+
+    from dflash_ext.hf_assistant import DFlashAssistant
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    drafter = DFlashDrafter.from_target(tiny_target().config, num_layers=1, block_size=4)
+    with pytest.raises(RuntimeError, match="supports transformers >= 5.24"):
+        DFlashAssistant(drafter)
