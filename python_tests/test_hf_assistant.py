@@ -92,7 +92,7 @@ def test_transformers_outside_the_supported_range_is_refused(monkeypatch):
 
     from dflash_ext.hf_assistant import DFlashAssistant
 
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
     drafter = DFlashDrafter.from_target(tiny_target().config, num_layers=1, block_size=4)
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
     with pytest.raises(RuntimeError, match="supports transformers >= 5.24"):
         DFlashAssistant(drafter)
