@@ -88,11 +88,11 @@ def test_bad_use_is_a_clear_error(target):
 
 
 def test_transformers_outside_the_supported_range_is_refused(monkeypatch):
-    import transformers
-
     from dflash_ext.hf_assistant import DFlashAssistant
 
     drafter = DFlashDrafter.from_target(tiny_target().config, num_layers=1, block_size=4)
+    import transformers  # after the model import: transformers' lazy module may replace itself in sys.modules
+
     monkeypatch.setattr(transformers, "__version__", "4.57.1")
     with pytest.raises(RuntimeError, match="supports transformers >= 5.24"):
         DFlashAssistant(drafter)
