@@ -176,6 +176,25 @@ def table(sets, overall):
     return format_table(rows, cols)
 
 
+def peer_table(records, prompt_sets):
+    """Per set: tokens/s and tau of our loop and of transformers' loop, and their ratio."""
+    rows = []
+    for name in [n for n, _ in prompt_sets] + (["all"] if len(prompt_sets) > 1 else []):
+        rs = [r for r in records if name == "all" or r["set"] == name]
+        ours_tok, ours_s = sum(r["dflash"]["new_tokens"] for r in rs), sum(r["dflash"]["total_s"] for r in rs)
+        hf_tok, hf_s = sum(r["hf"]["new_tokens"] for r in rs), sum(r["hf"]["total_s"] for r in rs)
+        steps = lambda key: sum(r[key]["steps"] for r in rs)
+        tau = lambda key: sum(r[key]["tau"] * r[key]["steps"] for r in rs) / max(1, steps(key))
+        same = [r["hf_identical"] for r in rs if r["hf_identical"] is not None]
+        rows.append(dict(name=name, ours_tps=ours_tok / ours_s, hf_tps=hf_tok / hf_s, ours_tau=tau("dflash"),
+                         hf_tau=tau("hf"), ratio=(ours_tok / ours_s) / (hf_tok / hf_s),
+                         hf_identical=f"{sum(same)}/{len(same)}" if same else "-"))
+    cols = [("name", "set", "{}"), ("ours_tps", "ours tok/s", "{:.1f}"), ("hf_tps", "hf tok/s", "{:.1f}"),
+            ("ratio", "ours / hf", "{:.2f}x"), ("ours_tau", "ours tau", "{:.2f}"), ("hf_tau", "hf tau", "{:.2f}"),
+            ("hf_identical", "hf = target", "{}")]
+    return dict(rows=rows, table=format_table(rows, cols))
+
+
 def plot(sets, overall, block_size, title, path):
     plt = _common.pyplot()
     if plt is None or not sets:
@@ -238,6 +257,9 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", default="auto",
                     help="verify block size, or auto (default): chosen from this machine's measured verify cost "
                          "and the drafter's acceptance profile (dflash_ext.decoding.choose_block_size)")
+    ap.add_argument("--loops", default="ours", help="DFlash loops to run beside the target alone: ours "
+                    "(spec_generate), hf (transformers' generate(assistant_model=drafter.as_assistant(), "
+                    "speculation_type='dflash')), or ours,hf: both with the same drafter on the same prompts")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -269,6 +291,9 @@ def parse_args(argv=None):
         if not args.block_size.isdigit() or int(args.block_size) < 1:
             ap.error("--block-size must be auto or an integer >= 1")
         args.block_size = int(args.block_size)
+    args.loops = [x for x in args.loops.split(",") if x]
+    if not args.loops or any(x not in ("ours", "hf") for x in args.loops):
+        ap.error("--loops takes ours, hf or ours,hf")
     if args.drafter is not None and not os.path.isdir(args.drafter):
         ap.error(f"--drafter {args.drafter}: no such directory")
     return args
@@ -308,7 +333,9 @@ def main(argv=None):
     encoded = [(name, i, encode(tok, p, args.max_prompt_tokens)) for name, ps in prompt_sets
                for i, p in enumerate(ps)]
     block_choice = None
-    if args.block_size == "auto":  # one choice for the run, at the mean prompt length
+    if args.block_size == "auto" and "hf" in args.loops:
+        B = drafter.config.block_size  # transformers' loop always verifies the drafter's whole block
+    elif args.block_size == "auto":  # one choice for the run, at the mean prompt length
         block_choice = choose_block_size(model, drafter, sum(len(e[2]) for e in encoded) // len(encoded))
         B = block_choice.block_size
     else:
@@ -335,11 +362,37 @@ def main(argv=None):
             return spec_generate(model, drafter, ids, max_new, block_size=B, generator=g, fused=fused, **sampling)
         if k % 2 == 0:
             b = base()
-            s = spec()
+            s = spec() if "ours" in args.loops else None
         else:
-            s = spec()
+            s = spec() if "ours" in args.loops else None
             b = base()
-        return b, s
+        h = hf(ids, k, max_new) if "hf" in args.loops else None
+        return b, s, h
+
+    assistant = drafter.as_assistant(model, fused=fused) if "hf" in args.loops else None
+
+    def hf(ids, k, max_new):
+        """transformers' own DFlash loop with our drafter, as a GenerationResult (tau from the
+        adapter's view of each round; the draft/verify split is not visible from outside)."""
+        from dflash_ext.decoding import GenerationResult
+
+        torch.manual_seed(args.seed + k)
+        kw = dict(do_sample=not greedy, max_new_tokens=max_new, pad_token_id=tok.pad_token_id or 0)
+        if not greedy:
+            kw.update(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p)
+        if stops:
+            kw["eos_token_id"] = stops
+        else:
+            kw.update(eos_token_id=None, min_new_tokens=max_new)
+        t0 = time.perf_counter()
+        out = model.generate(torch.tensor([ids], device=device), assistant_model=assistant,
+                             speculation_type="dflash", **kw)
+        tokens = out[0, len(ids):].tolist()
+        res = GenerationResult(tokens=tokens, block_size=B, total_time=time.perf_counter() - t0)
+        # The first token comes from the prefill; the adapter sees every verify step but the last.
+        last = len(tokens) - 1 - sum(assistant.acceptance_lengths)
+        res.acceptance_lengths = list(assistant.acceptance_lengths) + ([last] if last > 0 else [])
+        return res
 
     if not args.no_warmup:
         run_pair(encoded[0][2], 0, min(8, args.max_new_tokens))
@@ -352,7 +405,9 @@ def main(argv=None):
         bar = None
     records = []
     for k, (name, i, ids) in enumerate(encoded):
-        base, spec = run_pair(ids, k, args.max_new_tokens)
+        base, spec, hf_res = run_pair(ids, k, args.max_new_tokens)
+        if spec is None:  # --loops hf: the HF loop stands in the DFlash columns
+            spec, hf_res = hf_res, None
         identical = (base.tokens == spec.tokens) if greedy else None
         first_diff = None
         if identical is False:
@@ -367,7 +422,9 @@ def main(argv=None):
         records.append(dict(set=name, index=i, prompt_tokens=len(ids), baseline=bs, dflash=ss,
                             speedup=(ss["tokens_per_second"] / bs["tokens_per_second"]
                                      if bs["tokens_per_second"] else None),
-                            identical=identical, first_mismatch=first_diff))
+                            identical=identical, first_mismatch=first_diff,
+                            hf=hf_res.summary() if hf_res is not None else None,
+                            hf_identical=(hf_res.tokens == base.tokens) if hf_res is not None and greedy else None))
         if bar:
             done = aggregate(records, B)
             bar.set_postfix_str(f"{name} tau {done['tau']:.2f} speedup {done['speedup'] or 0:.2f}x"
@@ -405,6 +462,11 @@ def main(argv=None):
     for name, a in list(sets.items()) + ([("all", overall)] if len(sets) > 1 else []):
         print(f"# acceptance histogram {name} (steps emitting 1..{B} tokens): {a['histogram']}")
     print(f"# time to first token: target {overall['baseline_ttft_ms']:.0f} ms, DFlash {overall['dflash_ttft_ms']:.0f} ms")
+    if args.loops == ["ours", "hf"]:
+        peer = peer_table(records, prompt_sets)
+        print("\n# our loop (spec_generate) vs transformers' DFlash loop (generate + as_assistant), same drafter:")
+        print(peer["table"])
+        overall["peer"] = peer["rows"]
     mismatches = overall["mismatches"]
     if greedy and not exact:
         parts = [r["first_mismatch"] for r in records if r["identical"] is False]

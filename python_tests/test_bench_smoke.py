@@ -62,8 +62,8 @@ def test_e2e_quick(tmp_path):
     sets = ["--sets", "mtbench", "--n", "1"] if have_sets else ["--sets"]
     proc = _run("e2e.py", [
         "--quick", *sets, "--prompts", "What is the capital of France?", "--max-new-tokens", "12",
-        "--block-size", "4", "--threads", "1", "--dtype", "float32", "--no-progress", "--json", str(out),
-        "--png", str(png)])
+        "--block-size", "4", "--threads", "1", "--dtype", "float32", "--loops", "ours,hf", "--no-progress",
+        "--json", str(out), "--png", str(png)])
     assert "UNTRAINED" in proc.stdout or "untrained" in proc.stdout
     data = json.loads(out.read_text())
     meta = data["metadata"]
@@ -72,8 +72,10 @@ def test_e2e_quick(tmp_path):
     names = (["mtbench"] if have_sets else []) + ["custom"]
     assert list(data["sets"]) == names
     assert [p["set"] for p in data["prompts"]] == names
+    assert "transformers' DFlash loop" in proc.stdout
+    assert {r["name"] for r in data["overall"]["peer"]} >= set(names)
     for p in data["prompts"]:
-        assert p["identical"] is True and p["prompt_tokens"] > 5
+        assert p["identical"] is True and p["hf_identical"] is True and p["prompt_tokens"] > 5
         for run in ("baseline", "dflash"):
             s = p[run]
             assert 1 <= s["new_tokens"] <= 12 and s["total_s"] > 0
