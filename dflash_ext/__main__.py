@@ -156,6 +156,21 @@ def cmd_train(args):
         dist.destroy_process_group()
 
 
+def cmd_eval(args):
+    from .drafter import DFlashDrafter
+    from .models import load_target
+    from .training.trainer import TrainConfig, evaluate_drafter
+
+    torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target, tokenizer=False)
+    drafter = DFlashDrafter.from_pretrained(args.drafter)
+    cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
+                      eval_stride=args.eval_stride)
+    tau, accept = evaluate_drafter(drafter, target, cfg)
+    print(json.dumps({"drafter": args.drafter, "data": args.data, "holdout": args.holdout,
+                      "eval_stride": args.eval_stride, "tau": tau, "accept": accept}))
+
+
 def cmd_export(args):
     from .drafter import DFlashDrafter
 
@@ -233,6 +248,13 @@ def main(argv=None):
     t.add_argument("--log-every", type=int, default=None)
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int, default=2)
+    v = sub.add_parser("eval", help="held-out tau of a drafter on the records a training run holds out")
+    v.add_argument("--data", required=True)
+    v.add_argument("--drafter", required=True)
+    v.add_argument("--target", default=None)
+    v.add_argument("--holdout", type=int, default=64)
+    v.add_argument("--eval-stride", type=int, default=8)
+    v.add_argument("--threads", type=int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
     e.add_argument("--src", required=True)
     e.add_argument("--dst", required=True)
@@ -247,6 +269,8 @@ def main(argv=None):
         cmd_gen_data(args)
     elif args.command == "train":
         cmd_train(args)
+    elif args.command == "eval":
+        cmd_eval(args)
     elif args.command == "export":
         cmd_export(args)
 

@@ -187,6 +187,12 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [2, 3] and all(1 <= e["tau"] <= 4 for e in evals)
     assert evals[1]["slot_tokens"] > evals[0]["slot_tokens"] > 0
+    from dflash_ext.training.trainer import evaluate_drafter
+
+    saved = DFlashDrafter.from_pretrained(cfg.out)
+    assert saved.acceptance_profile == pytest.approx(evals[-1]["accept"])  # acceptance.json beside the weights
+    tau, _ = evaluate_drafter(saved, target, cfg)  # the same held-out records and anchors as training's eval
+    assert tau == pytest.approx(evals[-1]["tau"], abs=0.02)
     cfg.max_steps = 4
     logs.clear()
     train(cfg, target, log=logs.append)

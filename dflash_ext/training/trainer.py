@@ -34,7 +34,8 @@ from ..hardware import fastest_dtype
 from .data import FeatureStore, load_records, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
 
-__all__ = ["TrainConfig", "train", "sequence_loss", "LossVocab", "tau_of", "init_layers_from_target"]
+__all__ = ["TrainConfig", "train", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
+           "init_layers_from_target"]
 
 STATE_NAME = "trainer_state.pt"
 EVAL_LOG = "eval.jsonl"
@@ -223,6 +224,30 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
     return tau_of(correct), torch.cumprod(correct.float(), -1).mean(0).tolist()
 
 
+def _split_records(cfg: TrainConfig, features: "_Features"):
+    """(training records, held-out records): the `holdout` highest ids are held out."""
+    records = [r for r in load_records(cfg.data)
+               if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
+    heldout = records[len(records) - cfg.holdout:] if cfg.holdout else []
+    return records[:len(records) - len(heldout)], heldout
+
+
+def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="cpu"):
+    """The held-out tau of any drafter on the records a training run with `cfg` holds out
+    (same anchors, same features): (tau, accepted-prefix profile)."""
+    use_autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and fastest_dtype(device) == torch.bfloat16)
+    if use_autocast:
+        target = copy.deepcopy(target).to(torch.bfloat16)
+    cfg = TrainConfig(**{**asdict(cfg), "layer_ids": list(drafter.config.target_layer_ids)})
+    features = _Features(cfg, target, cfg.layer_ids, device, torch.float32)
+    _, heldout = _split_records(cfg, features)
+    if not heldout:
+        raise ValueError("evaluate_drafter needs cfg.holdout > 0 records")
+    frozen = FrozenTargetParts(target).to(device)
+    return heldout_tau(drafter.float().to(device), frozen, heldout, features, cfg, device,
+                       cfg.gamma or default_gamma(cfg.block_size), use_autocast)
+
+
 def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafter] = None,
           log=print) -> DFlashDrafter:
     rank, world = _dist_info()
@@ -235,10 +260,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     if use_autocast:  # live features and the frozen parts on bf16 weights (a copy: the caller's stays)
         target = copy.deepcopy(target).to(torch.bfloat16)
     features = _Features(cfg, target, layer_ids, device, torch.float32)
-    records = [r for r in load_records(cfg.data)
-               if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
-    heldout = records[len(records) - cfg.holdout:] if cfg.holdout else []
-    records = records[:len(records) - len(heldout)]
+    records, heldout = _split_records(cfg, features)
     if not records:
         raise ValueError(f"no usable training records in {cfg.data}")
     gamma = cfg.gamma or default_gamma(cfg.block_size)

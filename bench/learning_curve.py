@@ -1,0 +1,46 @@
+"""Held-out tau of a training run against the slot-tokens it has trained on: a table and
+a PNG, from the run's eval.jsonl (written by ``python -m dflash_ext train --holdout N
+--eval-every K``; tau = 1 + mean accepted prefix of blocks drafted at fixed held-out
+anchors, from the per-block correctness matrix over the full vocabulary).
+
+    .venv/bin/python bench/learning_curve.py data/train-b16/eval.jsonl --png bench/results/learning_curve.png
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("eval_log", nargs="+", help="eval.jsonl of one or more runs (label = its folder)")
+    ap.add_argument("--png", default="", help="write the plot here")
+    args = ap.parse_args(argv)
+    plt = _common.pyplot() if args.png else None
+    fig, ax = (plt.subplots(figsize=(7, 4.5)) if plt else (None, None))
+    for path in args.eval_log:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        table = [dict(step=r["step"], slot_tokens=r["slot_tokens"], tau=r["tau"], p1=r["accept"][0],
+                      p2=r["accept"][1], p4=r["accept"][3]) for r in rows]
+        print(_common.format_table(table, [
+            ("step", "step", "{}"), ("slot_tokens", "slot-tokens", "{:,}"), ("tau", "held-out tau", "{:.3f}"),
+            ("p1", "P(1st draft ok)", "{:.3f}"), ("p2", "P(first 2 ok)", "{:.3f}"), ("p4", "P(first 4 ok)", "{:.3f}")],
+            title=f"# {label}: {path}"))
+        if ax is not None:
+            ax.plot([r["slot_tokens"] / 1e6 for r in rows], [r["tau"] for r in rows], "o-", label=label)
+    if ax is not None:
+        ax.set_xlabel("trained slot-tokens (millions)")
+        ax.set_ylabel("held-out tau (tokens per verify step)")
+        ax.set_title("DFlash drafter learning curve (held-out ShareGPT responses of the target)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        if _common.save_figure(fig, args.png):
+            print(f"# plot written to {args.png}")
+
+
+if __name__ == "__main__":
+    main()
