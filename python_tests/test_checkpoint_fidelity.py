@@ -61,6 +61,8 @@ def plain_draft_step(drafter, d, feats, block_embeds, start):
     hf = Qwen3Config(**{k: v for k, v in d.items() if k not in ("dflash_config", "block_size",
                                                                    "num_target_layers", "architectures")})
     T, B = feats.shape[0], block_embeds.shape[0]
+    c = drafter.config
+    HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     positions = torch.cat([torch.arange(T), torch.arange(start, start + B)])[None]
     cos, sin = Qwen3RotaryEmbedding(hf)(block_embeds[None], positions)
 
@@ -94,7 +96,8 @@ def plain_draft_step(drafter, d, feats, block_embeds, start):
 
 def our_draft_step(drafter, feats, block_embeds, start, fused=True):
     cache = drafter.new_cache(1, feats.shape[0] + 8)
-    drafter.add_context(cache, 0, list(feats.split(H, -1)), torch.arange(feats.shape[0]), fused=fused)
+    drafter.add_context(cache, 0, list(feats.split(drafter.config.hidden_size, -1)), torch.arange(feats.shape[0]),
+                        fused=fused)
     B = block_embeds.shape[0]
     return drafter.draft_hidden(cache, block_embeds[None], torch.arange(start, start + B)[None], fused=fused)[0]
 
@@ -219,9 +222,19 @@ def test_unsupported_fields_are_rejected_at_load(tmp_path, extra, match):
         DFlashConfig.from_json_dict(d)
 
 
-def test_the_shipped_drafter_config_loads():
+def test_the_shipped_drafter_computes_the_reference_draft_step():
+    """drafters/smollm2-135m-b16, its own weights in fp32: the same hidden states as the
+    authors' computation written from transformers' parts."""
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m-b16", "config.json")
-    c = DFlashConfig.from_json_dict(json.load(open(path)))
+    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m-b16")
+    d = json.load(open(os.path.join(path, "config.json")))
+    drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32).eval()
+    c = drafter.config
     assert c.rope_theta == 100000.0 and c.layer_windows == [0] * c.num_hidden_layers
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(300, len(c.target_layer_ids) * c.hidden_size, generator=g)
+    block = torch.randn(c.block_size, c.hidden_size, generator=g) * 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(our_draft_step(drafter, feats, block, 300),
+                                   plain_draft_step(drafter, d, feats, block, 300), rtol=1e-4, atol=1e-4)
