@@ -153,13 +153,15 @@ def _median_seconds(fn, reps: int = 3) -> float:
 
 @torch.no_grad()
 def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
-                      candidates=(2, 3, 4, 6, 8, 10, 12, 16)) -> BlockSizeChoice:
+                      candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16)) -> BlockSizeChoice:
     """The verify block size B (<= the drafter's trained block) that maximises expected
     tokens per second on this machine:
 
         E(B) = 1 + sum_{j<B} P(the first j drafts are all accepted)   (the drafter's profile)
-        c(B) = draft step (the whole trained block, the same for every B) + target pass over B tokens
+        c(B) = draft step (the whole trained block, the same for every B > 1) + target pass over B tokens
         B*   = argmax_B E(B) / c(B)
+
+    B = 1 is the target alone (E = 1, no draft step): chosen where drafting does not pay.
 
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
     by training); without one, every B gets the same E and the cheapest-per-token rule
@@ -184,7 +186,7 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     expected, seconds, speed = {}, {}, {}
     for b in sizes:
         expected[b] = 1 + sum(profile[:b - 1])
-        seconds[b] = draft_s + _median_seconds(lambda: verify(b))
+        seconds[b] = (draft_s if b > 1 else 0.0) + _median_seconds(lambda: verify(b))
         speed[b] = expected[b] / seconds[b]
     best = max(sizes, key=lambda b: speed[b])
     return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
@@ -277,7 +279,8 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
     new = target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
     _crop(state.cache, state.pos + a + 1)
     clock("other")
-    proposer.accept(hidden, slice(0, a + 1), torch.arange(state.pos, state.pos + a + 1, device=block.device))
+    if verify_size > 1:  # verify_size 1 is block size 1: the target alone, nothing drafts later
+        proposer.accept(hidden, slice(0, a + 1), torch.arange(state.pos, state.pos + a + 1, device=block.device))
     clock("draft")
     state.last, state.pos = new[-1], state.pos + a + 1
     return new
@@ -376,7 +379,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     state = DecodeState(cache, int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
     res.time_to_first_token = time.perf_counter() - start
     done = emit([state.last])
-    if not done:
+    if not done and B > 1:
         proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
     clock("draft")
     while not done:

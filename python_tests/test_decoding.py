@@ -141,7 +141,8 @@ def test_near_the_budget_the_full_trained_block_is_drafted_and_cut(target, monke
         assert all(n <= (B or 8) for n in out.acceptance_lengths)
 
 
-def test_auto_block_size_maximises_expected_tokens_per_second(target):
+def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatch):
+    from dflash_ext import decoding
     from dflash_ext.decoding import choose_block_size
 
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=8)
@@ -149,13 +150,23 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target):
     assert none.block_size == 8 and not none.tokens_per_second  # no profile: the trained block
     drafter.acceptance_profile = [0.9 ** j for j in range(1, 8)]
     choice = choose_block_size(target, drafter, 12)
-    assert set(choice.tokens_per_second) == {2, 3, 4, 6, 8}
+    assert set(choice.tokens_per_second) == {1, 2, 3, 4, 6, 8}
+    assert choice.expected_tokens[1] == 1
     assert choice.block_size == max(choice.tokens_per_second, key=choice.tokens_per_second.get)
     assert choice.expected_tokens[8] == pytest.approx(1 + sum(0.9 ** j for j in range(1, 8)))
     for b, v in choice.tokens_per_second.items():
         assert v == pytest.approx(choice.expected_tokens[b] / choice.step_seconds[b])
     out = spec_generate(target, drafter, PROMPTS[2], 20, block_size="auto")
     assert out.tokens == target_generate(target, PROMPTS[2], 20).tokens
+    drafter.acceptance_profile = [0.0] * 7  # drafts never accepted: the target alone is fastest
+    monkeypatch.setattr(decoding, "_median_seconds", lambda fn, reps=3: (fn(), 1e-3)[1])  # timing noise out
+    assert choose_block_size(target, drafter, 12).block_size == 1
+    drafter.acceptance_profile = [0.95 ** j for j in range(1, 8)]  # with flat costs: the longest block
+    assert choose_block_size(target, drafter, 12).block_size == 8
+    monkeypatch.undo()
+    alone = spec_generate(target, drafter, PROMPTS[2], 20, block_size=1)
+    assert alone.tokens == target_generate(target, PROMPTS[2], 20).tokens
+    assert alone.acceptance_lengths == [1] * 19 and alone.draft_time < 0.05 * alone.total_time
     with pytest.raises(ValueError, match="block_size"):
         spec_generate(target, drafter, PROMPTS[2], 20, block_size="big")
 
