@@ -240,8 +240,9 @@ def main(argv=None):
     t.add_argument("--layer-ids", type=int, nargs="*", default=None, help="target layers (default: meta.json or the default rule)")
     t.add_argument("--holdout", type=int, default=None, help="records (highest ids) kept out to measure held-out tau")
     t.add_argument("--eval-every", type=int, default=None, help="steps between held-out tau measurements")
-    t.add_argument("--init", default=None, choices=["random", "target"],
-                   help="drafter layers random, or from the target's last layers")
+    t.add_argument("--init", default=None,
+                   help="random (default), target (layers from the target's last layers), or a drafter "
+                        "folder to continue from (its weights, a fresh optimizer)")
     t.add_argument("--loss-vocab", type=int, default=None,
                    help="softmax of the loss over the K most frequent response tokens (training only; 0 = all)")
     t.add_argument("--eval-stride", type=int, default=None, help="held-out anchors every N response positions")

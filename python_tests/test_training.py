@@ -197,3 +197,7 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     logs.clear()
     train(cfg, target, log=logs.append)
     assert any("resumed at step 3" in m for m in logs)
+    # Another machine: only the committed weights travel; training continues from them.
+    cont = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "cont"), "init": cfg.out, "max_steps": 1})
+    again = train(cont, target, log=lambda m: None)
+    assert not torch.equal(again.fc.weight, DFlashDrafter.from_pretrained(cfg.out).fc.weight.float())

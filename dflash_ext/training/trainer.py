@@ -66,7 +66,7 @@ class TrainConfig:
     holdout: int = 0            # records (highest ids) kept out of training to measure tau on
     eval_every: int = 0         # steps between held-out tau measurements (0: only at the end)
     eval_stride: int = 4        # held-out anchors: every eval_stride-th response position
-    init: str = "random"        # random | target (layers from the target's last layers)
+    init: str = "random"        # random | target (layers from the target's last layers) | a drafter folder
     loss_vocab: int = 0         # softmax of the loss over the K most frequent response tokens (0: all)
 
 
@@ -275,8 +275,13 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
                                             target_layer_ids=layer_ids, seed=cfg.seed)
         if cfg.init == "target":
             init_layers_from_target(drafter, target)
+        elif os.path.isdir(cfg.init):  # continue from committed weights (a fresh optimizer)
+            drafter = DFlashDrafter.from_pretrained(cfg.init, dtype=torch.float32)
+            if list(drafter.config.target_layer_ids) != list(layer_ids):
+                raise ValueError(f"--init {cfg.init} reads target layers {drafter.config.target_layer_ids}, "
+                                 f"the run {layer_ids}")
         elif cfg.init != "random":
-            raise ValueError(f"init must be random or target, got {cfg.init!r}")
+            raise ValueError(f"init must be random, target or a drafter folder, got {cfg.init!r}")
     drafter.to(device).train()
     frozen = FrozenTargetParts(target).to(device)
     vocab = LossVocab(records, frozen.lm_head.weight, cfg.loss_vocab) if cfg.loss_vocab else None
