@@ -164,9 +164,8 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     B = 1 is the target alone (E = 1, no draft step): chosen where drafting does not pay.
 
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
-    by training); without one, every B gets the same E and the cheapest-per-token rule
-    falls back to the trained block size. c(B) is timed here, at `context_len` tokens of
-    context (median of 3)."""
+    by training); without one nothing is timed and the trained block size is kept. c(B)
+    is timed here, at `context_len` tokens of context (median of 3)."""
     trained = drafter.config.block_size
     profile = getattr(drafter, "acceptance_profile", None)
     sizes = sorted({b for b in candidates if b <= trained} | {trained})
