@@ -32,3 +32,19 @@ def test_greedy_lossless_on_smollm2(smollm2, block_size):
         spec = spec_generate(model, oracle, prompt, 20, block_size=block_size, stop_token_ids=[tok.eos_token_id])
         assert spec.tokens == base.tokens
         assert spec.tau > 1.5
+
+
+@pytest.mark.slow
+def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
+    """The issue's call: target.generate(ids, assistant_model=DFlashDrafter.from_pretrained(path)
+    .as_assistant(), speculation_type="dflash", do_sample=False) on the embedded target (fp32)."""
+    import os
+
+    model, tok, prompts = smollm2
+    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m-b16")
+    assistant = DFlashDrafter.from_pretrained(path, dtype=torch.float32).as_assistant()
+    for prompt in prompts:
+        base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
+        out = model.generate(torch.tensor([prompt]), assistant_model=assistant, speculation_type="dflash",
+                             do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == base.tokens
