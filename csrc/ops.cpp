@@ -194,9 +194,25 @@ static PyObject* py_set_blas_fallback(PyObject*, PyObject* arg) {
   return PyBool_FromLong(dflash::cpu::set_blas_fallback(enable != 0));
 }
 
+namespace dflash::cpu {
+// Python-facing views of the run-time dispatch (isa.h), kept here beside the other hook.
+PyObject* py_cpu_isa(PyObject*, PyObject*);
+PyObject* py_set_cpu_isa(PyObject*, PyObject* arg);
+PyObject* py_cpu_gemm_path(PyObject*, PyObject* args);
+PyObject* py_cpu_attention_path(PyObject*, PyObject* arg);
+}  // namespace dflash::cpu
+
 static PyMethodDef module_methods[] = {
     {"_set_blas_fallback", py_set_blas_fallback, METH_O,
      "Route the CPU kernels' fp32 GEMMs through at::mm instead of BLAS (tests); returns the old setting."},
+    {"_cpu_isa", dflash::cpu::py_cpu_isa, METH_NOARGS,
+     "(detected, active): the CPU ISA levels of the run-time dispatch."},
+    {"_set_cpu_isa", dflash::cpu::py_set_cpu_isa, METH_O,
+     "Force the CPU ISA level ('auto' = detected); returns the previous level."},
+    {"_cpu_gemm_path", dflash::cpu::py_cpu_gemm_path, METH_VARARGS,
+     "(dtype name, rows) -> the GEMM path project_features / inject_context_kv take now."},
+    {"_cpu_attention_path", dflash::cpu::py_cpu_attention_path, METH_O,
+     "dtype name -> the path block_attention takes now."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};

@@ -7,11 +7,15 @@ Importing the package loads the compiled extension, which registers the ops unde
 import torch  # noqa: F401  (loads libtorch before the extension that links to it)
 
 from ._cpu_check import require_cpu_features
+from .hardware import cap_onednn_isa_from_env
 
 require_cpu_features()
+cap_onednn_isa_from_env()
 
 from . import _C  # noqa: E402  (registers torch.ops.dflash_ext.*)
-from . import ops, reference  # noqa: E402
+from . import hardware, ops, reference  # noqa: E402
+
+hardware.cpu_isa()  # reads DFLASH_CPU_ISA now: a bad value is an error at import, not at a call
 from .ops import block_attention, inject_context_kv, project_features  # noqa: E402
 
 __version__ = "0.1.0"

@@ -1,8 +1,24 @@
 """What this machine computes fast: run-time CPU feature detection (never tuned to one
-machine) and the dtype choice that follows from it."""
+machine), the dtype choice that follows from it, and the CPU kernels' dispatch.
+
+The CPU kernels choose their paths by an ISA level, lowest first: ``avx2`` (the build's
+baseline: AVX2 + FMA), ``avx512``, ``avx512_bf16`` and ``amx_bf16``. The level is detected
+at load; ``DFLASH_CPU_ISA=<level>`` in the environment (read at import) or
+:func:`forced_cpu_isa` forces a lower one, so that every path can be tested and benchmarked
+on one machine. A level above what the CPU has is an error.
+"""
+import contextlib
+import os
+
 import torch
 
-__all__ = ["cpu_has_bf16_units", "cpu_description", "fastest_dtype"]
+__all__ = ["cpu_has_bf16_units", "cpu_description", "fastest_dtype", "ISA_LEVELS", "cpu_isa",
+           "set_cpu_isa", "forced_cpu_isa", "cpu_paths"]
+
+ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx_bf16")
+# oneDNN's own cap for a forced level (it reads ONEDNN_MAX_CPU_ISA once, at its first use):
+# forcing avx512_bf16 on an AMX CPU then also keeps oneDNN off the AMX tiles.
+_ONEDNN_MAX_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16"}
 
 
 def cpu_has_bf16_units() -> bool:
@@ -31,3 +47,49 @@ def fastest_dtype(device="cpu") -> torch.dtype:
     if torch.device(device).type == "cuda" or cpu_has_bf16_units():
         return torch.bfloat16
     return torch.float32
+
+
+def _c():
+    from . import _C  # the compiled extension (imported lazily: this module is imported first)
+    return _C
+
+
+def cap_onednn_isa_from_env() -> None:
+    """Called at import, before any oneDNN call: DFLASH_CPU_ISA also caps oneDNN's ISA
+    (unless ONEDNN_MAX_CPU_ISA is set already)."""
+    level = os.environ.get("DFLASH_CPU_ISA", "")
+    if level in _ONEDNN_MAX_ISA:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_MAX_ISA[level])
+
+
+def cpu_isa() -> dict:
+    """``{"detected": level, "active": level, "features": [...]}``: the ISA levels of the CPU
+    kernels' dispatch and the instruction sets torch's cpuinfo reports that matter to them."""
+    detected, active = _c()._cpu_isa()
+    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C._cpu, "_get_cpu_capability") else {}
+    names = ("avx2", "fma3", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+    return {"detected": detected, "active": active, "features": [n for n in names if caps.get(n) is True]}
+
+
+def set_cpu_isa(level: str) -> str:
+    """Force the ISA level of the CPU kernels (``"auto"``: the detected one); returns the
+    previous level. oneDNN's own ISA is not changed (see ``DFLASH_CPU_ISA``)."""
+    return _c()._set_cpu_isa(level)
+
+
+@contextlib.contextmanager
+def forced_cpu_isa(level: str):
+    """The CPU kernels run at ``level`` inside the block, at the previous level after it."""
+    prev = set_cpu_isa(level)
+    try:
+        yield
+    finally:
+        set_cpu_isa(prev)
+
+
+def cpu_paths(dtype: torch.dtype, rows: int = 16) -> dict:
+    """The path each CPU op takes now for ``dtype`` (GEMM ops: for ``rows`` input rows)."""
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    gemm = _c()._cpu_gemm_path(name, int(rows))
+    return {"project_features": gemm, "inject_context_kv": gemm,
+            "block_attention": _c()._cpu_attention_path(name)}

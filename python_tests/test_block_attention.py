@@ -202,3 +202,11 @@ def test_cuda_head_dim_above_256_is_an_error():
     inp = make_attention_inputs([10], 2, 2, 1, 320, dtype=torch.float32, device="cuda")
     with pytest.raises(RuntimeError, match="head dims up to 256"):
         dflash_ext.block_attention(*inp.args())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", CASES[:6])
+def test_every_cpu_isa_path(lens, Bq, Hq, Hkv, D, window, dtype, cpu_isa_level):
+    """Each dispatch path this CPU can take (forced lower levels included) meets the reference."""
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
+                                          seed=len(lens) + Bq + window + 1))

@@ -170,3 +170,12 @@ def test_property_fp32(T, H, N, Hkv, half_D, extra_S, P, skip, seed):
 ])
 def test_cuda_model_shapes_and_fallbacks(T, H, N, Hkv, D, dtype):
     check_inject(make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, device="cuda", seed=T + N))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("skip_frac", [0.0, 0.5])
+@pytest.mark.parametrize("T,H,N,Hkv,D", SHAPES)
+def test_every_cpu_isa_path(T, H, N, Hkv, D, skip_frac, dtype, cpu_isa_level):
+    """Each dispatch path this CPU can take (forced lower levels included) meets the reference,
+    with every slot written and with half of them skipped."""
+    check_inject(make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, seed=T + H + N + 1, skip_frac=skip_frac))

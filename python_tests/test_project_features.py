@@ -156,3 +156,10 @@ def test_cuda_misaligned_feature_views(dtype):
         view.copy_(f)
         shifted.append(view)
     check_project(shifted, w, nw, eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,k,H_out", SHAPES)
+def test_every_cpu_isa_path(T, H, k, H_out, dtype, cpu_isa_level):
+    """Each dispatch path this CPU can take (forced lower levels included) meets the reference."""
+    check_project(*make_project_inputs(T, H, k, H_out, dtype=dtype, seed=T * H + k + 1))

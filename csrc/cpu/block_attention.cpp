@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "cpu_utils.h"
+#include "isa.h"
 #include "dflash/checks.h"
 
 namespace dflash::cpu {
@@ -172,6 +173,37 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
   });
 }
 
+// The flash path: per sequence, ATen's CPU flash attention (bf16 dot products / AMX tiles
+// where the CPU has them) once over the context rows and once over the block rows, both
+// strided views of the caches (no concatenation), merged by their log-sum-exp. The Bq x
+// group queries of one KV head are its query rows, so the kernel sees Hkv heads (GQA).
+void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const int64_t* offsets, const int64_t* lens, double scale, int64_t window,
+                           at::Tensor& out, const BlockAttentionDims& d) {
+  const int64_t Bq = d.Bq, D = d.D, Hkv = d.Hkv, group = d.Hq / d.Hkv, M = Bq * group;
+  const auto heads_first = [&](const at::Tensor& rows) { return rows.permute({1, 0, 2}).unsqueeze(0); };
+  for (int64_t b = 0; b < d.Bsz; ++b) {
+    const at::Tensor qh = q[b].view({Bq, Hkv, group, D}).permute({1, 0, 2, 3}).reshape({1, Hkv, M, D});
+    auto block = at::_scaled_dot_product_flash_attention_for_cpu(qh, heads_first(k_block[b]),
+                                                                 heads_first(v_block[b]), 0.0, false, {}, scale);
+    at::Tensor o = std::get<0>(block);  // [1, Hkv, M, D]
+    const int64_t n = window > 0 ? std::min(lens[b], window) : lens[b];
+    if (n > 0) {
+      const int64_t start = offsets[b] + lens[b] - n;
+      auto ctx = at::_scaled_dot_product_flash_attention_for_cpu(
+          qh, heads_first(k_cache.narrow(0, start, n)), heads_first(v_cache.narrow(0, start, n)), 0.0, false, {},
+          scale);
+      // softmax over both key sets = the two softmaxes weighted by exp(lse_part - lse_all)
+      const at::Tensor lse_b = std::get<1>(block).to(at::kFloat), lse_c = std::get<1>(ctx).to(at::kFloat);
+      const at::Tensor lse = at::logaddexp(lse_b, lse_c).unsqueeze(-1);
+      o = std::get<0>(block).to(at::kFloat) * (lse_b.unsqueeze(-1) - lse).exp() +
+          std::get<0>(ctx).to(at::kFloat) * (lse_c.unsqueeze(-1) - lse).exp();
+    }
+    out[b].copy_(o.view({Hkv, Bq, group, D}).permute({1, 0, 2, 3}).reshape({Bq, d.Hq, D}));
+  }
+}
+
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
                                const at::Tensor& v_block, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_offsets,
@@ -183,6 +215,11 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
   at::Tensor out = at::empty_like(qc);
   if (out.numel() == 0) return out;
   const at::Tensor off = cache_offsets.contiguous(), len = cache_lens.contiguous();
+  if (attention_path(q.scalar_type()) == AttentionPath::flash) {
+    flash_block_attention(qc, k_block, v_block, k_cache, v_cache, off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
+                          scale, window, out, d);
+    return out;
+  }
   DFLASH_DISPATCH_FLOATING(q.scalar_type(), "block_attention", [&] {
     block_attention_impl<scalar_t>(qc, k_block.contiguous(), v_block.contiguous(), k_cache, v_cache,
                                    off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),

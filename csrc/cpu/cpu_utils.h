@@ -29,6 +29,12 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
              int64_t ldb, float beta, float* C, int64_t ldc);
 
+// c[M, N] (fp32) = cat(a, 1) · b^T, b [N, sum_j K_j], on the library GEMM ATen picks for the
+// dtype: MKL for fp32 (one call per K-segment, accumulated in c, no concatenation), oneDNN
+// for bf16 (bf16 dot products or AMX tiles; one call over the concatenated rows of `a`, its
+// bf16 result rounded as F.linear's is). Called outside at::parallel_for: it threads itself.
+void library_gemm_nt(at::TensorList a, const at::Tensor& b, at::Tensor& c);
+
 // dst[0, n) = float(src[0, n))
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {

@@ -69,4 +69,21 @@ void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
   gemm(false, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
+void library_gemm_nt(at::TensorList a, const at::Tensor& b, at::Tensor& c) {
+  TORCH_INTERNAL_ASSERT(!a.empty() && c.scalar_type() == at::kFloat);
+  if (a[0].scalar_type() == at::kFloat) {  // MKL accumulates every segment into c
+    int64_t k0 = 0;
+    for (size_t j = 0; j < a.size(); ++j) {
+      const at::Tensor bj = b.narrow(1, k0, a[j].size(1)).t();
+      k0 += a[j].size(1);
+      if (j == 0) at::mm_out(c, a[j], bj);
+      else c.addmm_(a[j], bj);
+    }
+    return;
+  }
+  // oneDNN gives a bf16 result for bf16 operands: one call over the concatenated K, whose
+  // copy of the few rows of `a` costs little next to the weights.
+  c.copy_(at::mm(a.size() == 1 ? a[0] : at::cat(a, 1), b.t()));
+}
+
 }  // namespace dflash::cpu

@@ -1,5 +1,6 @@
 // CPU inject_context_kv: for all N drafter layers at once, K = ctx · W_k^T and
-// V = ctx · W_v^T as one pass of GEMM tiles over the stacked [W_k; W_v] rows, then
+// V = ctx · W_v^T (on the GEMM path isa.h picks: one library call per projection, or one
+// pass of our GEMM tiles over the stacked [W_k; W_v] rows), then
 // an epilogue per (token, layer) that applies the per-head k RMSNorm and RoPE and
 // scatters K/V into the caches at `slots`. Tokens with slot -1 are never computed.
 #include <ATen/Parallel.h>
@@ -8,6 +9,7 @@
 #include <cmath>
 
 #include "cpu_utils.h"
+#include "isa.h"
 #include "dflash/checks.h"
 
 namespace dflash::cpu {
@@ -35,32 +37,42 @@ void inject_impl(const at::Tensor& ctx, const at::Tensor& k_weight, const at::Te
                  at::Tensor& k_cache, at::Tensor& v_cache, float eps, const InjectDims& d) {
   const int64_t Tv = tokens.size(), H = d.H, D = d.D, HD = d.Hkv * d.D, NK = d.N * HD;
 
-  // The written tokens' ctx rows in fp32 (the ctx tensor itself when fp32 and all are written).
+  // Projections of every layer, fp32: K [Tv, NK] then V [Tv, NK] (layer-major columns).
+  at::Tensor proj = at::empty({2, Tv, NK}, ctx.options().dtype(at::kFloat));
+  const at::Tensor weights[2] = {k_weight, v_weight};
   const T* ctx_ptr = ctx.data_ptr<T>();
-  std::vector<float> x_buf;
-  F32Rows x{nullptr, H};
-  if (std::is_same_v<T, float> && Tv == d.T) {
-    x = {reinterpret_cast<const float*>(ctx_ptr), ctx.stride(0)};
-  } else {
-    x_buf.resize(Tv * H);
-    for (int64_t r = 0; r < Tv; ++r) to_float(ctx_ptr + tokens[r] * ctx.stride(0), x_buf.data() + r * H, H);
-    x = {x_buf.data(), H};
-  }
-
-  // Projections of every layer: proj[Tv, 2*NK], K columns first, then V.
-  std::vector<float> proj(Tv * 2 * NK);
-  const T* weights[2] = {k_weight.data_ptr<T>(), v_weight.data_ptr<T>()};
-  const int64_t block = weight_rows_per_tile(2 * NK);
-  const int64_t blocks_per_half = (NK + block - 1) / block;
-  at::parallel_for(0, 2 * blocks_per_half, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> w_buf;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t half = b / blocks_per_half, n0 = (b % blocks_per_half) * block;
-      const int64_t rows = std::min(block, NK - n0);
-      gemm_nt_weights(Tv, rows, H, x.ptr, x.ld, weights[half] + n0 * H, H, 0.f,
-                      proj.data() + half * NK + n0, 2 * NK, w_buf);
+  if (gemm_path(ctx.scalar_type(), Tv) != GemmPath::tiles) {
+    const at::Tensor x = Tv == d.T ? ctx : ctx.index_select(0, at::tensor(tokens));
+    for (int64_t half = 0; half < 2; ++half) {
+      at::Tensor p = proj[half];
+      library_gemm_nt({x}, weights[half].view({NK, H}), p);
     }
-  });
+  } else {
+    // The written tokens' ctx rows in fp32 (the ctx tensor itself when fp32 and all are written).
+    std::vector<float> x_buf;
+    F32Rows x{nullptr, H};
+    if (std::is_same_v<T, float> && Tv == d.T) {
+      x = {reinterpret_cast<const float*>(ctx_ptr), ctx.stride(0)};
+    } else {
+      x_buf.resize(Tv * H);
+      for (int64_t r = 0; r < Tv; ++r) to_float(ctx_ptr + tokens[r] * ctx.stride(0), x_buf.data() + r * H, H);
+      x = {x_buf.data(), H};
+    }
+    // One pass of weight tiles over the stacked [W_k; W_v] rows.
+    const int64_t block = weight_rows_per_tile(2 * NK);
+    const int64_t blocks_per_half = (NK + block - 1) / block;
+    at::parallel_for(0, 2 * blocks_per_half, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> w_buf;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t half = b / blocks_per_half, n0 = (b % blocks_per_half) * block;
+        const int64_t rows = std::min(block, NK - n0);
+        gemm_nt_weights(Tv, rows, H, x.ptr, x.ld, weights[half].data_ptr<T>() + n0 * H, H, 0.f,
+                        proj[half].data_ptr<float>() + n0, NK, w_buf);
+      }
+    });
+  }
+  const float* proj_k = proj[0].data_ptr<float>();
+  const float* proj_v = proj[1].data_ptr<float>();
 
   std::vector<float> knw(d.N * D);
   to_float(k_norm_weight.data_ptr<T>(), knw.data(), d.N * D);
@@ -78,7 +90,7 @@ void inject_impl(const at::Tensor& ctx, const at::Tensor& k_weight, const at::Te
         to_float(cos_ptr + cached_pos * D, cs.data(), D);
         to_float(sin_ptr + cached_pos * D, cs.data() + D, D);
       }
-      const float* k_row = proj.data() + r * 2 * NK + layer * HD;
+      const float* k_row = proj_k + r * NK + layer * HD;
       const int64_t dst = (layer * d.S + slots[t]) * HD;
       for (int64_t h = 0; h < d.Hkv; ++h) {
         std::memcpy(head.data(), k_row + h * D, D * sizeof(float));
@@ -87,7 +99,7 @@ void inject_impl(const at::Tensor& ctx, const at::Tensor& k_weight, const at::Te
         rope(head.data(), cs.data(), cs.data() + D, roped.data(), D);
         from_float(roped.data(), kc + dst + h * D, D);
       }
-      from_float(k_row + NK, vc + dst, HD);
+      from_float(proj_v + r * NK + layer * HD, vc + dst, HD);
     }
   });
 }

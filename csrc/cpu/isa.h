@@ -1,0 +1,39 @@
+// Run-time CPU dispatch: the instruction-set level the CPU kernels pick their paths by.
+// Detected once (cpuinfo, through ATen); DFLASH_CPU_ISA (read at load) or set_active_isa
+// forces a lower level, so that every path can be tested and benchmarked on one machine.
+#pragma once
+#include <ATen/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+
+namespace dflash::cpu {
+
+// Levels, lowest first; each implies the ones below it.
+enum class Isa : int { avx2 = 0, avx512 = 1, avx512_bf16 = 2, amx_bf16 = 3 };
+
+Isa detected_isa();               // the highest level this CPU supports
+Isa active_isa();                 // the level the kernels use now
+Isa set_active_isa(Isa level);    // returns the previous level; refuses a level above detected
+const char* isa_name(Isa level);
+Isa parse_isa(const std::string& name);  // "auto" = detected; an unknown name is an error
+
+// The GEMM path of project_features and inject_context_kv for `rows` input rows:
+//   "onednn"  bf16 where the CPU has bf16 units: oneDNN's bf16 dot products / AMX tiles;
+//   "mkl"     fp32 above kStreamRows rows: the library's blocked GEMM, threaded by itself;
+//   "tiles"   our weight tiles on the threads: fp32 BLAS per tile, reduced dtypes converted
+//             (streamed through fused dot products up to kStreamRows rows).
+// Measured on both kinds of CPU (bench/RESULTS.md §1): at few rows the op is bound by the
+// weight bytes and the tiles win; above, and in bf16 with bf16 units, the libraries do.
+constexpr int64_t kStreamRows = 8;
+enum class GemmPath { onednn, mkl, tiles };
+GemmPath gemm_path(at::ScalarType dtype, int64_t rows);
+const char* path_name(GemmPath path);
+
+// The path of block_attention: "flash" runs ATen's CPU flash attention (bf16 where the CPU
+// has bf16 units), "tiles" our split-KV kernel (fp32 math, reduced dtypes converted).
+enum class AttentionPath { flash, tiles };
+AttentionPath attention_path(at::ScalarType dtype);
+const char* path_name(AttentionPath path);
+
+}  // namespace dflash::cpu

@@ -1,0 +1,80 @@
+"""The CPU kernels' run-time dispatch: detection, the override, and the path each level
+takes (the ops' results on every path are checked in the op test files, through the
+`cpu_isa_level` fixture)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dflash_ext
+from dflash_ext import hardware
+
+LEVELS = hardware.ISA_LEVELS
+DETECTED = hardware.cpu_isa()["detected"]
+
+
+def below_detected(level):
+    return LEVELS.index(level) <= LEVELS.index(DETECTED)
+
+
+def test_detected_level_matches_cpuinfo():
+    feats = hardware.cpu_isa()["features"]
+    assert "avx2" in feats and "fma3" in feats  # the build's baseline, checked at import
+    expected = "avx2"
+    if "avx512_f" in feats:
+        expected = "avx512"
+        if "avx512_bf16" in feats:
+            expected = "amx_bf16" if "amx_bf16" in feats else "avx512_bf16"
+    assert DETECTED == expected
+
+
+def test_forced_level_is_restored():
+    before = hardware.cpu_isa()["active"]
+    with hardware.forced_cpu_isa("avx2"):
+        assert hardware.cpu_isa()["active"] == "avx2"
+    assert hardware.cpu_isa()["active"] == before
+    assert hardware.set_cpu_isa("auto") == before
+
+
+def test_bad_levels_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown CPU ISA level 'sse4'"):
+        hardware.set_cpu_isa("sse4")
+    for level in LEVELS:
+        if not below_detected(level):
+            with pytest.raises(ValueError, match="above what this CPU supports"):
+                hardware.set_cpu_isa(level)
+
+
+def test_paths_follow_the_level(cpu_isa_level):
+    bf16_units = LEVELS.index(cpu_isa_level) >= LEVELS.index("avx512_bf16")
+    bf16 = hardware.cpu_paths(torch.bfloat16, rows=4)
+    assert bf16["project_features"] == bf16["inject_context_kv"] == ("onednn" if bf16_units else "tiles")
+    assert bf16["block_attention"] == ("flash" if bf16_units else "tiles")
+    # fp32: our weight tiles while the op is bound by weight bytes, the library's GEMM above
+    assert hardware.cpu_paths(torch.float32, rows=8)["project_features"] == "tiles"
+    assert hardware.cpu_paths(torch.float32, rows=9)["project_features"] == "mkl"
+    assert hardware.cpu_paths(torch.float16, rows=4) == {
+        "project_features": "tiles", "inject_context_kv": "tiles", "block_attention": "tiles"}
+
+
+def _import_with_env(value):
+    env = dict(os.environ, DFLASH_CPU_ISA=value, OMP_NUM_THREADS="1")
+    code = "import dflash_ext, os; print(dflash_ext.hardware.cpu_isa()['active'], os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_env_override_forces_a_path():
+    r = _import_with_env("avx2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["avx2", "AVX2"]  # oneDNN is capped too
+
+
+@pytest.mark.parametrize("value,message", [("pentium", "unknown CPU ISA level 'pentium'"),
+                                           ("amx_bf16", "above what this CPU supports")])
+def test_env_override_bad_value_fails_at_import(value, message):
+    if value == DETECTED:
+        pytest.skip("this CPU has AMX")
+    r = _import_with_env(value)
+    assert r.returncode != 0 and message in r.stderr
