@@ -175,6 +175,20 @@ def cmd_export(args):
     from .drafter import DFlashDrafter
 
     drafter = DFlashDrafter.from_pretrained(args.src)
+    if args.draft_vocab == 0:
+        drafter.set_draft_vocab(None)
+    elif args.draft_vocab is not None:
+        from .training.data import load_records
+        from .training.trainer import most_frequent_tokens
+
+        if args.data is None:
+            raise SystemExit("export --draft-vocab K needs --data (the training data folder)")
+        records = load_records(args.data)
+        records = records[:len(records) - args.holdout] if args.holdout else records
+        ids, coverage = most_frequent_tokens(records, drafter.config.vocab_size, args.draft_vocab)
+        drafter.set_draft_vocab(ids)
+        print(f"[dflash_ext] draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f} % of the response "
+              f"tokens of {len(records)} records", file=sys.stderr)
     drafter.save_pretrained(args.dst, dtype=getattr(torch, args.dtype))
     print(f"[dflash_ext] wrote {args.dst} ({args.dtype})", file=sys.stderr)
 
@@ -260,6 +274,11 @@ def main(argv=None):
     e.add_argument("--src", required=True)
     e.add_argument("--dst", required=True)
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help="give the drafter a draft vocabulary: the K most frequent response tokens of --data "
+                        "(0: remove it); default: keep the source's")
+    e.add_argument("--data", default=None, help="training data folder of --draft-vocab (gen-data output)")
+    e.add_argument("--holdout", type=int, default=64, help="highest-id records of --data left out of the count")
     args = p.parse_args(argv)
     if args.command == "generate":
         if args.drafter is not None:

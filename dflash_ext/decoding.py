@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .drafter import DFlashDrafter, DraftCache
 
@@ -90,16 +91,19 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-drop)
 
 
-def draft_tokens(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def draft_tokens(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+                 vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Greedy draft tokens [Bsz, B-1] from the drafter's final hidden states [Bsz, B, H]:
-    the LM head's argmax at slots 1..B-1 (slot 0 is the last accepted token)."""
+    the LM head's argmax at slots 1..B-1 (slot 0 is the last accepted token). With a draft
+    vocabulary, `lm_head` gives the logits of those token ids only and `vocab` maps back."""
     Bsz, B, H = hidden.shape
     rows = hidden.reshape(Bsz * B, H)
     # Rows padded to a multiple of 16: on CPU, MKL runs 10 or 15 rows about 2x slower
     # than 16 (bench/RESULTS.md, draft step breakdown).
     rows = torch.nn.functional.pad(rows, (0, 0, 0, -rows.shape[0] % 16))
     logits = lm_head(rows)[:Bsz * B].view(Bsz, B, -1)
-    return logits[:, 1:].argmax(-1)
+    best = logits[:, 1:].argmax(-1)
+    return best if vocab is None else vocab[best]
 
 
 class DFlashProposer:
@@ -115,6 +119,11 @@ class DFlashProposer:
         self.layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
         self.cache: DraftCache = drafter.new_cache(1, capacity, draft_window)
+        # The draft vocabulary's rows of the target's LM head (a copy made once per generation).
+        self.vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.to(self.lm_head.weight.device)
+        self.vocab_head = None if self.vocab is None else self.lm_head.weight.detach()[self.vocab].contiguous()
+        bias = getattr(self.lm_head, "bias", None)
+        self.vocab_bias = None if self.vocab is None or bias is None else bias.detach()[self.vocab]
 
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
@@ -130,7 +139,10 @@ class DFlashProposer:
         positions = torch.arange(position, position + n + 1, device=device)[None]
         embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused)
-        return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
+        if self.vocab is None:
+            return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
+        return draft_tokens(hidden.to(self.vocab_head.dtype), lambda rows: F.linear(rows, self.vocab_head, self.vocab_bias),
+                            self.vocab)[0]
 
 
 @dataclass

@@ -30,6 +30,11 @@ CONFIG_NAME = "config.json"
 # accepted-prefix profile {"accept": [P(first j drafts accepted) for j = 1..B-1], "tau": ...}
 # that block_size="auto" reads.
 ACCEPTANCE_NAME = "acceptance.json"
+# Optional draft vocabulary (EAGLE-3's reduced draft vocabulary): with
+# dflash_config.draft_vocab_size = K in config.json, this file beside it holds
+# {"token_ids": [K sorted target token ids]} and drafts are the argmax over those rows of
+# the target's LM head only (K/V of its cost). Verification is unchanged, so output is too.
+DRAFT_VOCAB_NAME = "draft_vocab.json"
 
 
 def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
@@ -54,7 +59,7 @@ _INERT_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transform
 _FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
                  "is_causal": (None, False), "input_embedding_scale": (None, 1, 1.0),
                  "output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0)}
-_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size"}
+_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
@@ -87,6 +92,7 @@ class DFlashConfig:
     max_position_embeddings: int = 40960
     sliding_window: Optional[int] = None  # window of the "sliding_attention" layers (None = none)
     layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention
+    draft_vocab_size: Optional[int] = None  # tokens of the draft vocabulary (None: the whole vocabulary)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -100,6 +106,9 @@ class DFlashConfig:
                              f"{self.num_target_layers} layers")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"dflash_config.draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.draft_vocab_size}")
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
                 * self.num_hidden_layers
@@ -169,7 +178,8 @@ class DFlashConfig:
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
-                              "mask_token_id": self.mask_token_id},
+                              "mask_token_id": self.mask_token_id,
+                              **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {})},
             "sliding_window": self.sliding_window if sliding else None,
             "use_sliding_window": sliding,
         }
@@ -199,6 +209,7 @@ class DFlashConfig:
             target_layer_ids=list(dflash.get("target_layer_ids") or []),
             mask_token_id=int(dflash["mask_token_id"]),
             block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+            draft_vocab_size=int(dflash["draft_vocab_size"]) if dflash.get("draft_vocab_size") is not None else None,
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
@@ -337,6 +348,7 @@ class DFlashDrafter(nn.Module):
         self._stacked = None
         self._rope = None
         self.acceptance_profile: Optional[List[float]] = None
+        self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU); see DRAFT_VOCAB_NAME
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -402,6 +414,18 @@ class DFlashDrafter(nn.Module):
                 raise ValueError(f"{acc_path}: 'accept' must hold block_size - 1 = {config.block_size - 1} "
                                  f"probabilities, got {profile}")
             drafter.acceptance_profile = [float(p) for p in profile]
+        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+        if config.draft_vocab_size is not None:
+            if not os.path.exists(vocab_path):
+                raise FileNotFoundError(f"{cfg_path} sets dflash_config.draft_vocab_size but {vocab_path} is missing")
+            with open(vocab_path) as f:
+                ids = json.load(f)["token_ids"]
+            if len(ids) != config.draft_vocab_size:
+                raise ValueError(f"{vocab_path} holds {len(ids)} token ids, dflash_config.draft_vocab_size "
+                                 f"says {config.draft_vocab_size}")
+            drafter.set_draft_vocab(ids)
+        elif os.path.exists(vocab_path):
+            raise ValueError(f"{vocab_path} exists but {cfg_path} has no dflash_config.draft_vocab_size")
         if isinstance(dtype, str) and dtype != "auto":
             named = getattr(torch, dtype.replace("torch.", ""), None)
             if not isinstance(named, torch.dtype):
@@ -440,6 +464,26 @@ class DFlashDrafter(nn.Module):
         if self.acceptance_profile is not None:
             with open(os.path.join(path, ACCEPTANCE_NAME), "w") as f:
                 json.dump({"accept": self.acceptance_profile}, f)
+        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+        if self.draft_vocab is not None:
+            with open(vocab_path, "w") as f:
+                json.dump({"token_ids": self.draft_vocab.tolist()}, f)
+        elif os.path.exists(vocab_path):
+            os.remove(vocab_path)  # a stale vocabulary of an earlier save
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Draft only these target tokens (sorted, unique, in range), or all of them (None)."""
+        if token_ids is None:
+            self.draft_vocab, self.config.draft_vocab_size = None, None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        V = self.config.vocab_size
+        if ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) \
+                or int(ids[0]) < 0 or int(ids[-1]) >= V:
+            raise ValueError(f"draft vocabulary token_ids must be sorted, unique ids in [0, {V}), got "
+                             f"{ids.numel()} ids from {ids.min().item() if ids.numel() else None} to "
+                             f"{ids.max().item() if ids.numel() else None}")
+        self.draft_vocab, self.config.draft_vocab_size = ids, ids.numel()
 
     def as_assistant(self, target=None, fused: bool = True, draft_window: Optional[int] = None):
         """An ``assistant_model`` for ``target.generate(..., assistant_model=...,

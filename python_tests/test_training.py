@@ -179,7 +179,7 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
             os.remove(os.path.join(data, f))
     cfg = TrainConfig(data=data, out=str(tmp_path / "ckpt"), num_layers=2, block_size=4, anchors=16, epochs=2,
                       batch_size=2, holdout=2, eval_every=2, save_every=2, log_every=1, autocast="bf16",
-                      init="target", layer_ids=[1, 3, 4], max_steps=3)
+                      init="target", layer_ids=[1, 3, 4], max_steps=3, loss_vocab=40)
     logs = []
     train(cfg, target, log=logs.append)
     assert next(target.parameters()).dtype == torch.float32
@@ -191,6 +191,12 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
 
     saved = DFlashDrafter.from_pretrained(cfg.out)
     assert saved.acceptance_profile == pytest.approx(evals[-1]["accept"])  # acceptance.json beside the weights
+    # The loss vocabulary is the checkpoint's draft vocabulary: the most frequent response tokens.
+    from dflash_ext.training.data import load_records
+    from dflash_ext.training.trainer import most_frequent_tokens
+
+    expected, _ = most_frequent_tokens(load_records(data)[:-2], target.config.vocab_size, 40)
+    assert torch.equal(saved.draft_vocab, expected)
     tau, _ = evaluate_drafter(saved, target, cfg)  # the same held-out records and anchors as training's eval
     assert tau == pytest.approx(evals[-1]["tau"], abs=0.02)
     cfg.max_steps = 4
@@ -198,6 +204,11 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     train(cfg, target, log=logs.append)
     assert any("resumed at step 3" in m for m in logs)
     # Another machine: only the committed weights travel; training continues from them.
-    cont = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "cont"), "init": cfg.out, "max_steps": 1})
+    # Another machine: only the committed weights travel; training continues from them, here
+    # retargeted to another block size (the layers do not depend on it).
+    cont = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "cont"), "init": cfg.out, "max_steps": 1,
+                          "block_size": 3})
     again = train(cont, target, log=lambda m: None)
     assert not torch.equal(again.fc.weight, DFlashDrafter.from_pretrained(cfg.out).fc.weight.float())
+    reloaded = DFlashDrafter.from_pretrained(cont.out)
+    assert reloaded.config.block_size == 3 and len(reloaded.acceptance_profile) == 2

@@ -35,7 +35,7 @@ from .data import FeatureStore, load_records, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
 
 __all__ = ["TrainConfig", "train", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
-           "init_layers_from_target"]
+           "init_layers_from_target", "most_frequent_tokens"]
 
 STATE_NAME = "trainer_state.pt"
 EVAL_LOG = "eval.jsonl"
@@ -88,7 +88,7 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
     input_ids[anchor + j] with weight exp(-(j-1)/gamma); slot 0 and slots past the end
     have no loss. With `vocab`, the softmax runs over that token subset only (labels
     outside it get no loss). Returns (weighted loss sum, weight sum, correct [nb, B-1]
-    bool over the full vocabulary, or None without `need_correct`): the caller
+    bool: the argmax over the vocabulary used is the label; None without `need_correct`): the caller
     normalises by the weight sum of its whole batch."""
     B = block_size
     config = getattr(drafter, "module", drafter).config  # unwrap DDP
@@ -99,32 +99,38 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
         embeds = frozen.embed(block_ids).to(features.dtype)
     hidden = drafter(features, embeds, anchors)[:, 1:]
     labels = block_labels(input_ids, anchors, B)
+    logits = F.linear(hidden, frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
     correct = None
-    if need_correct:
+    if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary
         with torch.no_grad():
-            correct = F.linear(hidden, frozen.lm_head.weight).argmax(-1) == labels
+            best = logits.argmax(-1)
+            correct = (best if vocab is None else vocab.ids[best]) == labels
     if vocab is not None:
-        logits, labels = F.linear(hidden, vocab.lm_head_rows), vocab.remap(labels)
-    else:
-        logits = F.linear(hidden, frozen.lm_head.weight)
+        labels = vocab.remap(labels)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
                          ignore_index=IGNORE)
     w = label_weights(labels, gamma)
     return (ce * w.reshape(-1)).sum(), w.sum(), correct
 
 
-class LossVocab:
-    """A training-only speed-up: the softmax of the loss over the K most frequent response
-    tokens of the training data instead of the whole vocabulary (the frozen LM head's
-    rows are most of the FLOPs per slot). The checkpoint is unchanged: inference and the
-    held-out tau use the full LM head."""
+def most_frequent_tokens(records, vocab_size: int, k: int):
+    """(sorted ids of the k most frequent response tokens of `records`, their share of all
+    response tokens)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(torch.tensor(r["input_ids"][r["response_start"]:]), minlength=vocab_size)
+    ids = counts.topk(min(k, vocab_size)).indices.sort().values
+    return ids, counts[ids].sum().item() / max(1, counts.sum().item())
 
-    def __init__(self, records, lm_head_weight: torch.Tensor, k: int):
-        counts = torch.zeros(lm_head_weight.shape[0], dtype=torch.long)
-        for r in records:
-            counts += torch.bincount(torch.tensor(r["input_ids"][r["response_start"]:]), minlength=counts.numel())
-        self.ids = counts.topk(min(k, counts.numel())).indices.sort().values.to(lm_head_weight.device)
-        self.coverage = counts[self.ids.cpu()].sum().item() / max(1, counts.sum().item())
+
+class LossVocab:
+    """A token subset of the vocabulary: the softmax of the loss runs over it instead of the
+    whole vocabulary (the frozen LM head's rows are most of the FLOPs per slot), and the
+    drafter trained so drafts from it (its draft vocabulary, saved with the checkpoint).
+    The held-out tau drafts from it too, as inference does."""
+
+    def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
+        self.ids = ids.to(lm_head_weight.device)
         self.lm_head_rows = lm_head_weight.detach()[self.ids].contiguous()
         self._map = torch.full((lm_head_weight.shape[0],), IGNORE, dtype=torch.long, device=self.ids.device)
         self._map[self.ids] = torch.arange(self.ids.numel(), device=self.ids.device)
@@ -244,8 +250,9 @@ def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="c
     if not heldout:
         raise ValueError("evaluate_drafter needs cfg.holdout > 0 records")
     frozen = FrozenTargetParts(target).to(device)
+    vocab = None if drafter.draft_vocab is None else LossVocab(drafter.draft_vocab, frozen.lm_head.weight)
     return heldout_tau(drafter.float().to(device), frozen, heldout, features, cfg, device,
-                       cfg.gamma or default_gamma(cfg.block_size), use_autocast)
+                       cfg.gamma or default_gamma(cfg.block_size), use_autocast, vocab)
 
 
 def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafter] = None,
@@ -280,11 +287,19 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
             if list(drafter.config.target_layer_ids) != list(layer_ids):
                 raise ValueError(f"--init {cfg.init} reads target layers {drafter.config.target_layer_ids}, "
                                  f"the run {layer_ids}")
+            # The layers do not depend on B, so a run may retarget a drafter to another block size.
+            if drafter.config.block_size != cfg.block_size:
+                drafter.config.block_size = cfg.block_size
+                drafter.acceptance_profile = None  # measured at the old B; the first eval remeasures it
         elif cfg.init != "random":
             raise ValueError(f"init must be random, target or a drafter folder, got {cfg.init!r}")
     drafter.to(device).train()
     frozen = FrozenTargetParts(target).to(device)
-    vocab = LossVocab(records, frozen.lm_head.weight, cfg.loss_vocab) if cfg.loss_vocab else None
+    vocab, coverage = None, 1.0
+    if cfg.loss_vocab:
+        ids, coverage = most_frequent_tokens(records, drafter.config.vocab_size, cfg.loss_vocab)
+        vocab = LossVocab(ids, frozen.lm_head.weight)
+        drafter.set_draft_vocab(ids)
     model = drafter
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(drafter)
@@ -308,7 +323,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         log(f"[train] resumed at step {step}/{total}")
     log(f"[train] {len(records)} training records, {len(heldout)} held out; features {features.mode}; "
         f"bf16 autocast {'on' if use_autocast else 'off'}; {total} steps"
-        + (f"; loss vocabulary {vocab.ids.numel()} tokens ({100 * vocab.coverage:.2f} % of response tokens)"
+        + (f"; loss and draft vocabulary {vocab.ids.numel()} tokens ({100 * coverage:.2f} % of response tokens)"
            if vocab else ""))
 
     def save():
