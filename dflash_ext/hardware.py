@@ -87,9 +87,11 @@ def forced_cpu_isa(level: str):
         set_cpu_isa(prev)
 
 
-def cpu_paths(dtype: torch.dtype, rows: int = 16) -> dict:
-    """The path each CPU op takes now for ``dtype`` (GEMM ops: for ``rows`` input rows)."""
+def cpu_paths(dtype: torch.dtype, rows: int = 16, keys: int = 1024, query_rows: int = 48) -> dict:
+    """The path each CPU op takes now for ``dtype``: the GEMM ops for ``rows`` input rows,
+    block_attention for ``keys`` keys per sequence (context + block) and ``query_rows``
+    query rows per KV head (Bq x Hq / Hkv)."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     gemm = _c()._cpu_gemm_path(name, int(rows))
     return {"project_features": gemm, "inject_context_kv": gemm,
-            "block_attention": _c()._cpu_attention_path(name)}
+            "block_attention": _c()._cpu_attention_path(name, int(keys), int(query_rows))}

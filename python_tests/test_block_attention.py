@@ -210,3 +210,20 @@ def test_every_cpu_isa_path(lens, Bq, Hq, Hkv, D, window, dtype, cpu_isa_level):
     """Each dispatch path this CPU can take (forced lower levels included) meets the reference."""
     check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
                                           seed=len(lens) + Bq + window + 1))
+
+
+# Shapes on both sides of the CPU path rule (flash at >= 1024 keys or >= 32 query rows per
+# KV head, where bf16 has bf16 units): long ragged contexts with an empty one, a window, GQA.
+FLASH_CASES = [
+    ([1500, 0, 1100], 4, 9, 3, 64, 0),
+    ([1200], 16, 9, 3, 64, 1100),
+    ([40, 3], 16, 8, 2, 128, 0),
+    ([1000], 2, 4, 4, 64, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", FLASH_CASES)
+def test_long_contexts_and_many_queries(lens, Bq, Hq, Hkv, D, window, dtype, cpu_isa_level):
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
+                                          seed=sum(lens) + Bq))

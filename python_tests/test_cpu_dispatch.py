@@ -51,7 +51,13 @@ def test_paths_follow_the_level(cpu_isa_level):
     bf16_units = LEVELS.index(cpu_isa_level) >= LEVELS.index("avx512_bf16")
     bf16 = hardware.cpu_paths(torch.bfloat16, rows=4)
     assert bf16["project_features"] == bf16["inject_context_kv"] == ("onednn" if bf16_units else "tiles")
-    assert bf16["block_attention"] == ("flash" if bf16_units else "tiles")
+    assert bf16["block_attention"] == ("flash" if bf16_units else "tiles")  # 1024 keys, 48 query rows
+    # Flash for many keys or many query rows; our kernel for short contexts and few queries.
+    few = hardware.cpu_paths(torch.bfloat16, keys=1023, query_rows=31)["block_attention"]
+    assert few == "tiles"
+    for keys, rows in [(1024, 1), (100, 32)]:
+        path = hardware.cpu_paths(torch.bfloat16, keys=keys, query_rows=rows)["block_attention"]
+        assert path == ("flash" if bf16_units else "tiles")
     # fp32: our weight tiles while the op is bound by weight bytes, the library's GEMM above
     assert hardware.cpu_paths(torch.float32, rows=8)["project_features"] == "tiles"
     assert hardware.cpu_paths(torch.float32, rows=9)["project_features"] == "mkl"

@@ -194,11 +194,26 @@ void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const
       auto ctx = at::_scaled_dot_product_flash_attention_for_cpu(
           qh, heads_first(k_cache.narrow(0, start, n)), heads_first(v_cache.narrow(0, start, n)), 0.0, false, {},
           scale);
-      // softmax over both key sets = the two softmaxes weighted by exp(lse_part - lse_all)
-      const at::Tensor lse_b = std::get<1>(block).to(at::kFloat), lse_c = std::get<1>(ctx).to(at::kFloat);
-      const at::Tensor lse = at::logaddexp(lse_b, lse_c).unsqueeze(-1);
-      o = std::get<0>(block).to(at::kFloat) * (lse_b.unsqueeze(-1) - lse).exp() +
-          std::get<0>(ctx).to(at::kFloat) * (lse_c.unsqueeze(-1) - lse).exp();
+      // softmax over both key sets = each part's softmax weighted by exp(lse_part - lse_all)
+      const at::Tensor o_c = std::get<0>(ctx).contiguous(), o_b = o.contiguous();
+      const at::Tensor lse_b = std::get<1>(block).to(at::kFloat).contiguous();
+      const at::Tensor lse_c = std::get<1>(ctx).to(at::kFloat).contiguous();
+      at::Tensor merged = at::empty({Hkv * M, D}, o.options().dtype(at::kFloat));
+      DFLASH_DISPATCH_FLOATING(o.scalar_type(), "flash_merge", [&] {
+        const scalar_t *pb = o_b.data_ptr<scalar_t>(), *pc = o_c.data_ptr<scalar_t>();
+        const float *lb = lse_b.data_ptr<float>(), *lc = lse_c.data_ptr<float>();
+        float* dst = merged.data_ptr<float>();
+        std::vector<float> row(D);
+        for (int64_t r = 0; r < Hkv * M; ++r) {
+          const float mx = std::max(lb[r], lc[r]);
+          const float wb = std::exp(lb[r] - mx), wc = std::exp(lc[r] - mx), inv = 1.f / (wb + wc);
+          to_float(pb + r * D, dst + r * D, D);
+          to_float(pc + r * D, row.data(), D);
+          at::vec::map2<float>([=](Vec x, Vec y) { return (x * Vec(wb) + y * Vec(wc)) * Vec(inv); },
+                               dst + r * D, dst + r * D, row.data(), D);
+        }
+      });
+      o = merged;
     }
     out[b].copy_(o.view({Hkv, Bq, group, D}).permute({1, 0, 2, 3}).reshape({Bq, d.Hq, D}));
   }
@@ -215,7 +230,12 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
   at::Tensor out = at::empty_like(qc);
   if (out.numel() == 0) return out;
   const at::Tensor off = cache_offsets.contiguous(), len = cache_lens.contiguous();
-  if (attention_path(q.scalar_type()) == AttentionPath::flash) {
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < d.Bsz; ++b) {
+    const int64_t n = len.data_ptr<int64_t>()[b];
+    max_keys = std::max(max_keys, (window > 0 ? std::min(n, window) : n) + d.Bq);
+  }
+  if (attention_path(q.scalar_type(), max_keys, d.Bq * (d.Hq / d.Hkv)) == AttentionPath::flash) {
     flash_block_attention(qc, k_block, v_block, k_cache, v_cache, off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
                           scale, window, out, d);
     return out;

@@ -84,8 +84,9 @@ const char* path_name(GemmPath path) {
   return "?";
 }
 
-AttentionPath attention_path(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 && active_isa() >= Isa::avx512_bf16 ? AttentionPath::flash : AttentionPath::tiles;
+AttentionPath attention_path(at::ScalarType dtype, int64_t keys, int64_t rows) {
+  const bool bf16_units = dtype == at::kBFloat16 && active_isa() >= Isa::avx512_bf16;
+  return bf16_units && (keys >= kFlashKeys || rows >= kFlashRows) ? AttentionPath::flash : AttentionPath::tiles;
 }
 
 const char* path_name(AttentionPath path) { return path == AttentionPath::flash ? "flash" : "tiles"; }
@@ -132,10 +133,11 @@ PyObject* py_cpu_gemm_path(PyObject*, PyObject* args) {
   return PyUnicode_FromString(path_name(gemm_path(dtype_named(dtype), rows)));
 }
 
-PyObject* py_cpu_attention_path(PyObject*, PyObject* arg) {
-  const char* dtype = PyUnicode_AsUTF8(arg);
-  if (dtype == nullptr) return nullptr;
-  return PyUnicode_FromString(path_name(attention_path(dtype_named(dtype))));
+PyObject* py_cpu_attention_path(PyObject*, PyObject* args) {
+  const char* dtype = nullptr;
+  long long keys = 0, rows = 0;
+  if (!PyArg_ParseTuple(args, "sLL", &dtype, &keys, &rows)) return nullptr;
+  return PyUnicode_FromString(path_name(attention_path(dtype_named(dtype), keys, rows)));
 }
 
 }  // namespace dflash::cpu

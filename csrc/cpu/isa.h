@@ -30,10 +30,15 @@ enum class GemmPath { onednn, mkl, tiles };
 GemmPath gemm_path(at::ScalarType dtype, int64_t rows);
 const char* path_name(GemmPath path);
 
-// The path of block_attention: "flash" runs ATen's CPU flash attention (bf16 where the CPU
-// has bf16 units), "tiles" our split-KV kernel (fp32 math, reduced dtypes converted).
+// The path of block_attention for `keys` keys per sequence (context + block) and `rows`
+// query rows per KV head (Bq x group): "flash" runs ATen's CPU flash attention, bf16 dot
+// products / AMX tiles, for bf16 where the CPU has bf16 units; "tiles" our split-KV kernel
+// (fp32 math: reduced dtypes converted per key). Flash costs two calls (~15 us each) but no
+// conversion and less compute: it wins once the keys (conversion) or the query rows
+// (compute) are many, at or above kFlashKeys / kFlashRows (bench/RESULTS.md §1).
+constexpr int64_t kFlashKeys = 1024, kFlashRows = 32;
 enum class AttentionPath { flash, tiles };
-AttentionPath attention_path(at::ScalarType dtype);
+AttentionPath attention_path(at::ScalarType dtype, int64_t keys, int64_t rows);
 const char* path_name(AttentionPath path);
 
 }  // namespace dflash::cpu
