@@ -1,307 +1,155 @@
-"""Helpers shared by bench/bench_ops.py, bench/draft_latency.py and bench/e2e.py: an
-interleaved median timer with a quiet-machine check, a copy-bandwidth probe, run metadata,
-aligned text tables, JSON output and a lazy matplotlib (plus saving a figure)."""
+"""Helpers shared by bench/bench_ops.py, bench/draft_latency.py and bench/e2e.py: a median
+timer (torch.utils.benchmark), run metadata, one table formatter, one JSON writer, and
+matplotlib for the plots."""
+import argparse
 import datetime
+import json
 import os
 import platform
-import statistics
+import re
 import subprocess
 import sys
 import time
 
 import torch
+import torch.utils.benchmark as benchmark
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO_ROOT, "bench", "out")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFTERS = {  # the shapes of the two DFlash drafters: DFlashConfig fields, k target features, rope theta
+    "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                    vocab_size=49152, k=5, num_hidden_layers=5, num_target_layers=30, rope_theta=1e5, rms_norm_eps=1e-5),
+    "qwen3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=12288, vocab_size=151936, k=5, num_hidden_layers=5, num_target_layers=36,
+                     rope_theta=1e6, rms_norm_eps=1e-6),
+}
+
+
+class MismatchError(RuntimeError):
+    """A fused result disagrees with its baseline or reference: the scripts exit with status 1."""
 
 
 # --------------------------------------------------------------------------- timing
 
-class Timer:
-    """Median time (ms) of several variants of one computation, measured interleaved.
-
-    ``warmup`` untimed calls of each variant, then rounds that call every variant once
-    (order rotated per round) until ``repeats`` timed calls per variant, or until the kept
-    calls add up to ``budget`` seconds once ``min_repeats`` calls are done.
-
-    CUDA: CUDA events around each call (no CUDA graphs: the draft step has host-side work,
-    e.g. the cache lengths tensor and ``positions.max()``, that graphs would hide).
-
-    CPU: a tiny two-thread canary op runs before and after every timed
-    call. On a shared VM whose other vCPU is intermittently taken by the host every parallel
-    region then waits a scheduler tick (the canary takes ms instead of us); calls next to a
-    slow canary are dropped, a pass with more than MAX_DROPPED of them is repeated once the
-    machine is quiet again, and after ``max_wait`` seconds the quiet calls of all passes
-    (else all calls) are used and the measurement is flagged ``noisy``. A long call can
-    still be slowed by something the canaries before and after it do not see (e.g. another
-    process using the cores throughout): the check catches intermittent stalls only.
-    """
-
-    MAX_DROPPED = 0.1
-    QUIET_WINDOW_S = 0.05
-
-    def __init__(self, device, warmup=3, repeats=50, min_repeats=5, budget=2.0, quiet_check=True,
-                 max_wait=20.0):
-        self.device = torch.device(device)
-        self.warmup, self.repeats = warmup, repeats
-        self.min_repeats, self.budget, self.max_wait = max(1, min(min_repeats, repeats)), budget, max_wait
-        self.cuda = self.device.type == "cuda"
-        self.quiet_check = quiet_check and not self.cuda
-        self.waited_s = 0.0  # total time spent waiting for a quiet machine
-        self.dropped_calls = 0
-        self.retried_passes = 0
-        self.canary_limit_ms = None
-        if self.quiet_check:
-            self._x = torch.randn(1 << 16)  # 2 * at::internal::GRAIN_SIZE: runs on 2 threads
-            self._y = torch.empty_like(self._x)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                single = min(self._canary() for _ in range(200))
-            finally:
-                torch.set_num_threads(threads)
-            # Quiet: the parallel canary costs about the single-thread one, never a tick.
-            self.canary_limit_ms = single + 1.0
-
-    def _canary(self):
-        t0 = time.perf_counter()
-        torch.mul(self._x, 2.0, out=self._y)
-        return (time.perf_counter() - t0) * 1e3
-
-    def _quiet(self):
-        return not self.quiet_check or self._canary() <= self.canary_limit_ms
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def _time(self, fn):
-        if self.cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
+def measure(fns, warmup=1, budget=0.5, max_s=5.0, min_repeats=4, threshold=0.1):
+    """Median ms of each callable of ``fns`` ({name: fn}), one after the other, each by
+    ``torch.utils.benchmark.Timer.adaptive_autorange``: blocks of calls (enough per block to
+    hide the timer) for at least ``budget`` s, until the blocks' IQR / median < ``threshold``
+    or ``max_s`` s have passed; then at least ``min_repeats`` blocks. CUDA is synchronized
+    around every block. Returns ({name: ms}, info) with info ``repeats`` (fewest blocks),
+    ``noisy`` (some IQR / median stayed >= threshold) and ``<name>_min_ms``."""
+    medians, info = {}, dict(repeats=None, noisy=False)
+    for name, fn in fns.items():
+        for _ in range(warmup):
             fn()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    def _wait_quiet(self, deadline):
-        """Wait until the canary has stayed quiet for QUIET_WINDOW_S in a row (a busy spell
-        often flickers: quiet canaries between stalls a few ms apart)."""
-        if not self.quiet_check:
-            return True
-        t0 = window_start = time.perf_counter()
-        while True:
-            now = time.perf_counter()
-            if not self._quiet():
-                if now > deadline:
-                    break
-                time.sleep(0.02)
-                window_start = time.perf_counter()
-            elif now - window_start >= self.QUIET_WINDOW_S:
-                break
-        self.waited_s += time.perf_counter() - t0
-        return self._quiet()
-
-    def _pass(self, fns, deadline):
-        """One measurement pass. Rounds call every variant once (rotating the order); with the
-        quiet check on, a call counts only if the canary before and after it was quiet. The
-        pass gives up early once more than MAX_DROPPED of its calls were disturbed."""
-        names = list(fns)
-        good = {n: [] for n in names}
-        every = {n: [] for n in names}
-        spent_ms = 0.0  # time inside the kept timed calls
-        quiet = self._wait_quiet(deadline)
-        dropped = total = rnd = 0
-        while True:
-            n_good = min(len(v) for v in good.values())
-            if n_good >= self.repeats or (n_good >= self.min_repeats and spent_ms >= self.budget * 1e3):
-                break
-            if dropped >= 2 and dropped > self.MAX_DROPPED * total:
-                break  # a busy spell: this pass is rejected anyway
-            if time.perf_counter() > deadline and total >= self.min_repeats * len(names):
-                break
-            order = names[rnd % len(names):] + names[:rnd % len(names)]
-            rnd += 1
-            for n in order:
-                t = self._time(fns[n])
-                quiet_after = self._quiet()
-                every[n].append(t)
-                total += 1
-                if quiet and quiet_after:
-                    good[n].append(t)
-                    spent_ms += t
-                else:
-                    dropped += 1
-                quiet = quiet_after
-        return good, every, dropped, total
-
-    def measure(self, fns):
-        """fns: {name: callable}. Returns ({name: median ms}, info) where info holds
-        repeats, dropped, passes, noisy and ``<name>_min_ms``."""
-        names = list(fns)
-        for name in names:
-            for _ in range(self.warmup):
-                fns[name]()
-        self.sync()
-        deadline = time.perf_counter() + self.max_wait
-        all_good = {n: [] for n in names}
-        all_every = {n: [] for n in names}
-        passes = dropped_total = 0
-        while True:
-            good, every, dropped, total = self._pass(fns, deadline)
-            passes += 1
-            dropped_total += dropped
-            self.dropped_calls += dropped
-            for n in names:
-                all_good[n] += good[n]
-                all_every[n] += every[n]
-            if min(len(v) for v in good.values()) >= self.min_repeats and dropped <= self.MAX_DROPPED * total:
-                noisy, use = False, good
-                break
-            if time.perf_counter() > deadline:
-                noisy = True
-                if min(len(v) for v in all_good.values()) >= self.min_repeats:
-                    use = all_good
-                else:  # no quiet spell at all: keep every call, at least min_repeats of them
-                    use = all_every
-                    rnd = 0
-                    while min(len(v) for v in all_every.values()) < self.min_repeats:
-                        for n in names[rnd % len(names):] + names[:rnd % len(names)]:
-                            all_every[n].append(self._time(fns[n]))
-                        rnd += 1
-                break
-            self.retried_passes += 1
-        medians = {n: statistics.median(use[n]) for n in names}
-        info = dict(repeats=min(len(v) for v in use.values()), dropped=dropped_total, passes=passes,
-                    noisy=noisy)
-        info.update({f"{n}_min_ms": min(use[n]) for n in names})
-        return medians, info
-
-    def summary(self) -> dict:
-        return dict(quiet_check=self.quiet_check, canary_limit_ms=self.canary_limit_ms,
-                    quiet_wait_s=round(self.waited_s, 2), dropped_calls=self.dropped_calls,
-                    retried_passes=self.retried_passes)
+        timer = benchmark.Timer("fn()", globals=dict(fn=fn), num_threads=torch.get_num_threads())
+        runs = [timer.adaptive_autorange(threshold, min_run_time=budget, max_run_time=max_s)]
+        while sum(len(m.times) for m in runs) < min_repeats:
+            runs.append(timer.timeit(runs[0].number_per_run))
+        m = benchmark.Measurement.merge(runs)[0]
+        medians[name], info[f"{name}_min_ms"] = m.median * 1e3, min(m.times) * 1e3
+        info["repeats"] = min(info["repeats"] or len(m.times), len(m.times))
+        info["noisy"] |= not m.meets_confidence(threshold)
+    return medians, info
 
 
-def busy_fraction(seconds=0.3):
-    """CPU: the fraction of tiny two-thread canary ops that stalled (waited for a core taken
-    by another process) over `seconds`; 0 on a quiet machine. None with one thread."""
-    if torch.get_num_threads() < 2:
-        return None
-    t = Timer("cpu", quiet_check=True)
-    n = slow = 0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        n += 1
-        slow += not t._quiet()
-        time.sleep(0.002)
-    return slow / max(1, n)
+def copy_bandwidth(device, nbytes=None, **timing):
+    """Copy bandwidth from the median time of ``dst.copy_(src)`` on ``nbytes`` uint8 (default
+    256 MiB on CPU, 1 GiB on CUDA), counting 2 x nbytes (read + write, STREAM "copy")."""
+    nbytes = int(nbytes or (1 << (30 if torch.device(device).type == "cuda" else 28)))
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t, info = measure(dict(copy=lambda: dst.copy_(src)), **timing)
+    return dict(copy_gbps=2 * nbytes / t["copy"] / 1e6, copy_ms=t["copy"], copy_bytes=nbytes,
+                copy_repeats=info["repeats"])
 
 
-def warn_if_busy(device, log=None):
-    """Print a warning when the CPU is busy; returns the busy fraction (None on CUDA)."""
-    if torch.device(device).type != "cpu":
-        return None
-    frac = busy_fraction()
-    if frac is not None and frac > 0.2:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        msg = (f"WARNING: the machine is busy ({frac:.0%} of two-thread canary ops stalled, load average "
-               f"{load:.1f} on {os.cpu_count()} cores): with --threads {torch.get_num_threads()} every "
-               f"parallel region may wait for a scheduler tick, so timings will be slow and noisy "
-               f"(--threads 1 suffers less)")
-        (log or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
-    return frac
+def warn_if_busy(device):
+    """One line on stderr when other processes load the CPU; returns the 1-minute load average."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if torch.device(device).type == "cpu" and load is not None and \
+            load > max(0.5, (os.cpu_count() or 1) - torch.get_num_threads()):
+        print(f"WARNING: the machine looks busy (load average {load:.1f} on {os.cpu_count()} cores): "
+              "CPU timings will be slow and noisy", file=sys.stderr, flush=True)
+    return load
 
 
-def copy_bandwidth_gbs(device, nbytes=None, repeats=10) -> float:
-    """Measured copy bandwidth in GB/s, counting the bytes read plus the bytes written
-    (2 x size / time, the STREAM "copy" convention), best of `repeats` copies of a buffer
-    far larger than the caches (256 MiB on CPU, 1 GiB on CUDA)."""
-    device = torch.device(device)
-    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (1 << 28))
-    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            b.copy_(a)
-            e1.record()
-            e1.synchronize()
-            t = e0.elapsed_time(e1) / 1e3
-        else:
-            t0 = time.perf_counter()
-            b.copy_(a)
-            t = time.perf_counter() - t0
-        best = min(best, t)
-    del a, b
-    return 2 * nbytes / best / 1e9
+def logger():
+    """print to stderr with the seconds since this call."""
+    t0 = time.perf_counter()
+    return lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- metadata
 
+def _run(*cmd):
+    try:
+        return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def cpu_model() -> str:
+    """The CPU model name from lscpu, else /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            cpuinfo = f.read()
     except OSError:
-        pass
+        cpuinfo = ""
+    for text, key in ((_run("lscpu"), "Model name"), (cpuinfo, "model name")):
+        m = re.search(rf"^{key}\s*:\s*(.+)$", text or "", re.M)
+        if m:
+            return m.group(1).strip()
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> list:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    interesting = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    return [x for x in interesting if x in flags]
+def cpu_isa():
+    """dflash_ext.hardware.cpu_isa() (detected / active ISA level, features) where available."""
+    from dflash_ext import hardware
+    return hardware.cpu_isa() if hasattr(hardware, "cpu_isa") else None
 
 
-def git_info():
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-    commit = run("git", "rev-parse", "--short", "HEAD")
-    status = run("git", "status", "--porcelain", "--untracked-files=no")
-    return commit, (bool(status) if status is not None else None)
-
-
-def machine_metadata(device) -> dict:
+def metadata(device, **extra) -> dict:
+    """What a recorded figure needs: date, git commit, machine, CPU ISA, torch, threads."""
+    import dflash_ext
     device = torch.device(device)
-    commit, dirty = git_info()
-    try:
-        import dflash_ext
-        version = getattr(dflash_ext, "__version__", None)
-    except Exception:  # pragma: no cover
-        version = None
-    return dict(
-        torch_version=torch.__version__, dflash_ext_version=version, device=str(device),
-        device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()),
-        cpu_model=cpu_model(), cpu_flags=cpu_flags(), cpu_count=os.cpu_count(),
-        threads=torch.get_num_threads(), python=platform.python_version(),
+    status = _run("git", "status", "--porcelain", "--untracked-files=no")
+    model = cpu_model()
+    meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=commit, git_dirty=dirty, load_average=(os.getloadavg() if hasattr(os, "getloadavg") else None),
-        argv=sys.argv,
-    )
+        git_commit=_run("git", "rev-parse", "--short", "HEAD"), git_dirty=None if status is None else bool(status),
+        device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else model,
+        cpu_model=model, cpu_isa=cpu_isa(), cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
+        torch_version=torch.__version__, dflash_ext_version=getattr(dflash_ext, "__version__", None),
+        python=platform.python_version(), load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
+        argv=sys.argv)
+    meta.update(extra)
+    return meta
 
 
-def check_device(device, op_names=("project_features", "inject_context_kv", "block_attention"),
-                 prog=None):
-    """Exit with a message (prefixed with ``prog: `` if given) for an unusable device; returns
-    the dflash_ext ops without a kernel on it (CUDA builds without CUDA kernels)."""
+def header(meta) -> str:
+    """One line naming the machine and the code of a run, from ``metadata()``."""
+    isa = meta.get("cpu_isa")
+    isa = f"; ISA detected {isa['detected']}, active {isa['active']}" if isa and meta["device"] == "cpu" else ""
+    return (f"device {meta['device']} ({meta['device_name']}{isa}) | threads {meta['threads']} | torch "
+            f"{meta['torch_version']} | git {meta['git_commit']}{'+dirty' if meta['git_dirty'] else ''}")
+
+
+def start(args, op_names=("project_features", "inject_context_kv", "block_attention"), prog=None):
+    """The torch.device of --device (exits if unusable) with --threads set and a warning if the
+    machine looks busy; returns (device, the dflash_ext ops without a kernel on it)."""
+    device = torch.device(args.device)
+    missing = check_device(device, op_names, prog)
+    torch.set_num_threads(args.threads)
+    warn_if_busy(device)
+    return device, missing
+
+
+def check_device(device, op_names=("project_features", "inject_context_kv", "block_attention"), prog=None):
+    """Exit with a message for an unusable device; returns the dflash_ext ops without a kernel
+    on it (CUDA builds without CUDA kernels)."""
     device = torch.device(device)
     prefix = f"{prog}: " if prog else ""
     if device.type == "cuda":
@@ -318,12 +166,13 @@ def check_device(device, op_names=("project_features", "inject_context_kv", "blo
 
 def format_table(rows, cols, title=None) -> str:
     """rows: dicts; cols: (key, header, format) with format a str.format pattern or a
-    callable(row) -> str. Missing / None values print as '-'."""
+    callable(row) -> str, or a key alone for (key, key, "{}"). Missing / None values print as '-'."""
+    cols = [(c, c, "{}") if isinstance(c, str) else c for c in cols]
+
     def cell(r, key, fmt):
         if callable(fmt):
             return fmt(r)
-        v = r.get(key)
-        return "-" if v is None else fmt.format(v)
+        return "-" if r.get(key) is None else fmt.format(r[key])
     cells = [[cell(r, k, f) for k, _, f in cols] for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(cols)]
     lines = [title] if title else []
@@ -334,10 +183,18 @@ def format_table(rows, cols, title=None) -> str:
 
 
 def write_json(path, obj) -> None:
-    import json
+    """Write ``obj`` as JSON to ``path`` (creating the folder) and say so on stdout."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
+    print(f"# JSON written to {path}")
+
+
+def fail(error) -> int:
+    """Print a bug (e.g. a MismatchError) loudly on stderr and stdout; returns exit status 1."""
+    print("\n" + "!" * 78 + f"\nBUG: {error}\n" + "!" * 78, file=sys.stderr)
+    print(f"BUG: {error}")
+    return 1
 
 
 def pyplot():
@@ -348,8 +205,7 @@ def pyplot():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("note: matplotlib is not installed (pip install matplotlib): no PNG written",
-              file=sys.stderr)
+        print("note: matplotlib is not installed (pip install matplotlib): no PNG written", file=sys.stderr)
         return None
 
 
@@ -361,3 +217,38 @@ def save_figure(fig, path, dpi=110) -> bool:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return True
+
+
+# --------------------------------------------------------------------------- command line
+
+def arg_parser(doc, name, budget, max_s, quick_help):
+    """The parser of bench_ops.py and draft_latency.py (description and epilog from `doc`) with
+    --device, --threads, --quick, --json, --seed and the timing flags; budget and max_s:
+    (default, --quick default) seconds."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", default=os.path.join(OUT_DIR, f"{name}.json"),
+                    help=f"where to write the JSON results (default bench/out/{name}.json; '' for none)")
+    ap.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("timing: torch.utils.benchmark adaptive_autorange per variant, median of blocks")
+    g.add_argument("--warmup", type=int, default=1, help="untimed calls of each variant first (default 1)")
+    g.add_argument("--min-repeats", type=int, default=4, help="at least this many timed blocks (default 4)")
+    g.add_argument("--budget", type=float, default=None,
+                   help=f"seconds of timed blocks before the spread is checked (default {budget[0]}; "
+                        f"--quick {budget[1]})")
+    g.add_argument("--max-wait", type=float, default=None,
+                   help=f"the most seconds of timed blocks while IQR / median >= 10%%; then the row is marked "
+                        f"noisy ('!') (default {max_s[0]}; --quick {max_s[1]})")
+    ap.set_defaults(timing_defaults=(budget, max_s))
+    return ap
+
+
+def timing(args) -> dict:
+    """The keyword arguments of measure() from the flags of arg_parser()."""
+    (budget, max_s), i = args.timing_defaults, int(args.quick)
+    return dict(warmup=args.warmup, min_repeats=max(1, args.min_repeats),
+                budget=budget[i] if args.budget is None else args.budget,
+                max_s=max_s[i] if args.max_wait is None else args.max_wait)

@@ -435,14 +435,14 @@ def main(argv=None):
 
     sets = {name: aggregate([r for r in records if r["set"] == name], B) for name, _ in prompt_sets}
     overall = aggregate(records, B)
-    meta = _common.machine_metadata(device)
+    meta = _common.metadata(device)
     meta.update(target=target_name, drafter=drafter_name, drafter_fresh=fresh, block_size=B,
                 draft_layers=drafter.config.num_hidden_layers, dtype=args.dtype, path=args.path,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, n_per_set=args.n,
                 sharegpt_offset=(args.sharegpt_offset if args.sharegpt_offset is not None
                                  else _sharegpt_default_offset()), max_prompt_tokens=args.max_prompt_tokens,
-                seed=args.seed, quick=args.quick, busy_fraction=busy, warmup=not args.no_warmup,
+                seed=args.seed, quick=args.quick, load_average_at_start=busy, warmup=not args.no_warmup,
                 elapsed_s=round(time.perf_counter() - t_start, 2))
 
     title = (f"DFlash vs target alone | target {target_name} | drafter {'UNTRAINED (fresh)' if fresh else drafter_name}"
@@ -454,8 +454,7 @@ def main(argv=None):
               "DFlash is slower than the target alone. Pass --drafter DIR for a trained checkpoint.")
     print(f"# speedup = DFlash tok/s / target tok/s over the whole set; tau = tokens emitted per verify step; "
           f"ms/step = DFlash time per verify step split into draft / verify / other (share of DFlash time); "
-          f"{meta['device_name']}, torch {torch.__version__}, git {meta['git_commit']}"
-          f"{'+dirty' if meta['git_dirty'] else ''}")
+          f"{_common.header(meta)}")
     print()
     print(table(sets, overall))
     print()
@@ -484,7 +483,6 @@ def main(argv=None):
     print(f"# total {meta['elapsed_s']:.1f} s")
     if args.json:
         _common.write_json(args.json, dict(metadata=meta, sets=sets, overall=overall, prompts=records))
-        print(f"# JSON written to {args.json}")
     if args.png and plot(sets, overall, B, title, args.png):
         print(f"# plot written to {args.png}")
     return 1 if mismatches else 0

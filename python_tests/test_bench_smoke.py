@@ -1,7 +1,8 @@
 """Smoke tests of bench/draft_latency.py, bench/e2e.py and bench/bench_ops.py: each runs with
 options even smaller than --quick, and the JSON it writes is checked (fields and sanity,
 not the timings). bench_ops.py's CUDA-only columns (bytes moved, copy bandwidth, SDPA) are
-checked on CPU through its pure helpers and a run with them forced on."""
+checked on CPU through its pure helpers and a run with them forced on; its --isa levels
+through a faked dflash_ext.hardware ISA API."""
 import importlib.util
 import json
 import os
@@ -27,7 +28,7 @@ def test_draft_latency_quick(tmp_path):
     out, png = tmp_path / "dl.json", tmp_path / "dl.png"
     proc = _run("draft_latency.py", [
         "--quick", "--presets", "smollm2", "--blocks", "4", "--contexts", "64", "--batch", "1", "2",
-        "--tau", "3", "--repeats", "3", "--min-repeats", "2", "--warmup", "1", "--budget", "0.05",
+        "--tau", "3", "--min-repeats", "2", "--warmup", "1", "--budget", "0.05",
         "--max-wait", "0.5", "--threads", "1", "--json", str(out), "--png", str(png)])
     assert "ref/fused" in proc.stdout and "per-op breakdown" in proc.stdout
     data = json.loads(out.read_text())
@@ -105,7 +106,7 @@ def _bench_ops():
 
 
 TINY_OPS = ["--presets", "smollm2", "--tokens", "1", "4", "--contexts", "64", "--batch", "1", "2",
-            "--dtype", "float32", "--repeats", "2", "--min-repeats", "1", "--warmup", "1", "--budget", "0.01",
+            "--dtype", "float32", "--min-repeats", "1", "--warmup", "1", "--budget", "0.01",
             "--max-wait", "0.5", "--threads", "1"]
 CUDA_KEYS = ("min_bytes", "fused_gbps", "pct_of_copy", "sdpa_ms", "ratio_vs_sdpa", "sdpa_min_ms")
 
@@ -136,7 +137,6 @@ def test_min_bytes_by_hand():
 def test_sdpa_problem_matches_reference(gqa):
     import torch
     from dflash_ext import reference
-    bo = _bench_ops()
     gen = torch.Generator().manual_seed(0)
     Bsz, Bq, Hq, Hkv, D, n = 3, 4, 6, 2, 8, 5
     q = torch.randn(Bsz, Bq, Hq, D, generator=gen)
@@ -145,23 +145,22 @@ def test_sdpa_problem_matches_reference(gqa):
     offsets = torch.tensor([9, 0, 15])  # not back to back, not in order
     scale = 0.3
     for lens in (torch.full((Bsz,), n), torch.zeros(Bsz, dtype=torch.int64)):
-        prob = bo.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale, gqa=gqa)
+        prob = reference.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale, gqa=gqa)
         qs, k, v, kwargs = prob
         L = int(lens[0]) + Bq
         assert qs.shape == (Bsz, Hq, Bq, D) and k.shape == v.shape == (Bsz, Hkv if gqa else Hq, L, D)
         assert qs.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         assert kwargs == (dict(scale=scale, enable_gqa=True) if gqa else dict(scale=scale))
-        out = bo.sdpa_block_attention(prob).transpose(1, 2)
+        out = reference.sdpa_block_attention(prob).transpose(1, 2)
         ref = reference.block_attention(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="same context length"):
-        bo.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, torch.tensor([1, 2, 1]), scale)
+        reference.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, torch.tensor([1, 2, 1]), scale)
 
 
-def test_measure_copy_bandwidth_cpu():
+def test_copy_bandwidth_cpu():
     bo = _bench_ops()
-    timer = bo.Timer("cpu", warmup=1, repeats=3, min_repeats=1, budget=0.01, quiet_check=False)
-    c = bo.measure_copy_bandwidth(timer, "cpu", 1 << 20)
+    c = bo._common.copy_bandwidth("cpu", 1 << 20, warmup=1, min_repeats=1, budget=0.01, max_s=0.5)
     assert c["copy_bytes"] == 1 << 20 and c["copy_repeats"] >= 1 and c["copy_ms"] > 0
     assert c["copy_gbps"] == pytest.approx(2 * (1 << 20) / c["copy_ms"] / 1e6)
 
@@ -177,6 +176,45 @@ def test_bench_ops_cpu_has_no_cuda_columns(tmp_path):
         "block_attention"] * 4
     for r in data["rows"]:
         assert r["fused_ms"] > 0 and not any(k in r for k in CUDA_KEYS)
+        assert r["eager_ms"] > 0 and r["ratio"] == pytest.approx(r["eager_ms"] / r["fused_ms"])
+        assert (r["goal"] == "-") == (r["op"] == "block_attention")  # context 64: outside the attention goal
+    assert data["metadata"]["cpu_model"] and data["metadata"]["git_commit"]
+
+
+def test_bench_ops_isa_levels(tmp_path, capsys, monkeypatch):
+    """--isa all: one run per level up to the detected one, inside forced_cpu_isa, with the
+    level and the path of each op in every row (the hardware API is faked here)."""
+    import contextlib
+    from dflash_ext import hardware
+    bo = _bench_ops()
+    state = dict(level="avx512", forced=[])
+
+    @contextlib.contextmanager
+    def forced_cpu_isa(level):
+        prev, state["level"] = state["level"], level
+        state["forced"].append(level)
+        try:
+            yield
+        finally:
+            state["level"] = prev
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: dict(detected="avx512", active=state["level"],
+                                                          features=["avx2", "avx512"]), raising=False)
+    monkeypatch.setattr(hardware, "forced_cpu_isa", forced_cpu_isa, raising=False)
+    monkeypatch.setattr(hardware, "cpu_paths", lambda dtype, rows=16: {
+        op: f"{op[:4]}-{state['level']}-{rows}" for op in bo.OPS}, raising=False)
+    out = tmp_path / "ops.json"
+    args = TINY_OPS + ["--ops", "project_features", "block_attention", "--batch", "1", "--json", str(out)]
+    assert bo.main(args + ["--isa", "all"]) == 0
+    assert state["forced"] == ["avx2", "avx512"] and state["level"] == "avx512"
+    stdout = capsys.readouterr().out
+    assert "ISA detected avx512, active avx512" in stdout and "isa" in stdout and "path" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["isa"], r["op"], r["tokens"]) for r in rows] == [
+        (isa, op, t) for isa in ("avx2", "avx512") for op in ("project_features", "block_attention") for t in (1, 4)]
+    for r in rows:
+        assert r["path"] == f"{r['op'][:4]}-{r['isa']}-{r['tokens']}"
+    with pytest.raises(SystemExit):
+        bo.parse_args(TINY_OPS + ["--isa", "amx_bf16"])  # above the detected level
 
 
 def test_bench_ops_cuda_columns_forced_on_cpu(tmp_path, capsys):
