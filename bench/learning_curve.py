@@ -1,9 +1,12 @@
 """Held-out tau of a training run against the slot-tokens it has trained on: a table and
 a PNG, from the run's eval.jsonl (written by ``python -m dflash_ext train --holdout N
 --eval-every K``; tau = 1 + mean accepted prefix of blocks drafted at fixed held-out
-anchors, from the per-block correctness matrix over the full vocabulary).
+anchors, from the per-block correctness matrix; drafts are the argmax over the draft
+vocabulary where the run has one, as at inference). A run continued from another's weights
+(``train --init``) is given as ``PATH+N``: its slot-tokens start at N, the first run's total.
 
-    .venv/bin/python bench/learning_curve.py data/train-b16/eval.jsonl --png bench/results/learning_curve.png
+    .venv/bin/python bench/learning_curve.py data/train-b16/eval.jsonl data/train-b8/eval.jsonl+4169144 \
+        --png bench/results/learning_curve.png
 """
 import argparse
 import json
@@ -16,13 +19,17 @@ import _common  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("eval_log", nargs="+", help="eval.jsonl of one or more runs (label = its folder)")
+    ap.add_argument("eval_log", nargs="+", help="eval.jsonl of one or more runs (label = its folder), "
+                    "PATH+N for a run that continued after N slot-tokens of another")
     ap.add_argument("--png", default="", help="write the plot here")
     args = ap.parse_args(argv)
     plt = _common.pyplot() if args.png else None
     fig, ax = (plt.subplots(figsize=(7, 4.5)) if plt else (None, None))
-    for path in args.eval_log:
+    for spec in args.eval_log:
+        path, _, offset = spec.partition("+")
         rows = [json.loads(line) for line in open(path) if line.strip()]
+        for r in rows:
+            r["slot_tokens"] += int(offset or 0)
         label = os.path.basename(os.path.dirname(os.path.abspath(path)))
         table = [dict(step=r["step"], slot_tokens=r["slot_tokens"], tau=r["tau"], p1=r["accept"][0],
                       p2=r["accept"][1], p4=r["accept"][3]) for r in rows]

@@ -154,7 +154,7 @@ class BlockSizeChoice:
     profile_source: str
 
 
-def _median_seconds(fn, reps: int = 3) -> float:
+def _median_seconds(fn, reps: int = 5) -> float:
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -177,7 +177,7 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
 
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
     by training); without one nothing is timed and the trained block size is kept. c(B)
-    is timed here, at `context_len` tokens of context (median of 3)."""
+    is timed here, at `context_len` tokens of context (median of 5)."""
     trained = drafter.config.block_size
     profile = getattr(drafter, "acceptance_profile", None)
     sizes = sorted({b for b in candidates if b <= trained} | {trained})

@@ -223,11 +223,11 @@ def test_unsupported_fields_are_rejected_at_load(tmp_path, extra, match):
 
 
 def test_the_shipped_drafter_computes_the_reference_draft_step():
-    """drafters/smollm2-135m-b16, its own weights in fp32: the same hidden states as the
+    """drafters/smollm2-135m, its own weights in fp32: the same hidden states as the
     authors' computation written from transformers' parts."""
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m-b16")
+    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m")
     d = json.load(open(os.path.join(path, "config.json")))
     drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32).eval()
     c = drafter.config

@@ -41,10 +41,27 @@ def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
     import os
 
     model, tok, prompts = smollm2
-    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m-b16")
+    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m")
     assistant = DFlashDrafter.from_pretrained(path, dtype=torch.float32).as_assistant()
     for prompt in prompts:
         base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
         out = model.generate(torch.tensor([prompt]), assistant_model=assistant, speculation_type="dflash",
                              do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == base.tokens
+
+
+@pytest.mark.slow
+def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2):
+    """drafters/smollm2-135m in our loop (fp32, its 16,384-token draft vocabulary, B = 3 and
+    its trained B = 8): greedy output equals the target alone's."""
+    import os
+
+    model, tok, prompts = smollm2
+    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m")
+    drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32)
+    assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 16384
+    for prompt in prompts:
+        base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
+        for block_size in (3, 8):
+            spec = spec_generate(model, drafter, prompt, 24, block_size=block_size, stop_token_ids=[tok.eos_token_id])
+            assert spec.tokens == base.tokens
