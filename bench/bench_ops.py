@@ -164,7 +164,9 @@ def path_taken(op, dtype, preset, tag, device):
     if device.type != "cpu" or not hasattr(hardware, "cpu_paths"):
         return None if device.type == "cpu" else device.type
     p, T = PRESETS[preset], tag["tokens"]
-    shape = dict(rows=T, keys=(tag["context"] or 0) + T, query_rows=T * p["Hq"] // p["Hkv"])
+    weights = p["H"] * p["k"] * p["H"] if op == "project_features" else 2 * p["N"] * p["Hkv"] * p["D"] * p["H"]
+    shape = dict(rows=T, weight_bytes=weights * torch.empty((), dtype=dtype).element_size(),
+                 keys=(tag["context"] or 0) + T, query_rows=T * p["Hq"] // p["Hkv"])
     params = inspect.signature(hardware.cpu_paths).parameters
     return hardware.cpu_paths(dtype, **{k: v for k, v in shape.items() if k in params}).get(op)
 

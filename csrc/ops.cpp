@@ -210,7 +210,7 @@ static PyMethodDef module_methods[] = {
     {"_set_cpu_isa", dflash::cpu::py_set_cpu_isa, METH_O,
      "Force the CPU ISA level ('auto' = detected); returns the previous level."},
     {"_cpu_gemm_path", dflash::cpu::py_cpu_gemm_path, METH_VARARGS,
-     "(dtype name, rows) -> the GEMM path project_features / inject_context_kv take now."},
+     "(dtype name, rows, weight bytes) -> the GEMM path project_features / inject_context_kv take now."},
     {"_cpu_attention_path", dflash::cpu::py_cpu_attention_path, METH_VARARGS,
      "(dtype name, keys, query rows per KV head) -> the path block_attention takes now."},
     {nullptr, nullptr, 0, nullptr}};

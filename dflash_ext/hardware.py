@@ -87,11 +87,13 @@ def forced_cpu_isa(level: str):
         set_cpu_isa(prev)
 
 
-def cpu_paths(dtype: torch.dtype, rows: int = 16, keys: int = 1024, query_rows: int = 48) -> dict:
-    """The path each CPU op takes now for ``dtype``: the GEMM ops for ``rows`` input rows,
-    block_attention for ``keys`` keys per sequence (context + block) and ``query_rows``
-    query rows per KV head (Bq x Hq / Hkv)."""
+def cpu_paths(dtype: torch.dtype, rows: int = 16, weight_bytes: int = 1 << 30, keys: int = 1024,
+              query_rows: int = 48) -> dict:
+    """The path each CPU op takes now for ``dtype``: the GEMM ops for ``rows`` input rows over
+    ``weight_bytes`` of weights (project_features: fc_weight; inject_context_kv: k_weight and
+    v_weight together), block_attention for ``keys`` keys per sequence (context + block) and
+    ``query_rows`` query rows per KV head (Bq x Hq / Hkv)."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    gemm = _c()._cpu_gemm_path(name, int(rows))
+    gemm = _c()._cpu_gemm_path(name, int(rows), int(weight_bytes))
     return {"project_features": gemm, "inject_context_kv": gemm,
             "block_attention": _c()._cpu_attention_path(name, int(keys), int(query_rows))}

@@ -58,6 +58,11 @@ def test_paths_follow_the_level(cpu_isa_level):
     for keys, rows in [(1024, 1), (100, 32)]:
         path = hardware.cpu_paths(torch.bfloat16, keys=keys, query_rows=rows)["block_attention"]
         assert path == ("flash" if bf16_units else "tiles")
+    # bf16, few rows of small weights: our streaming tiles (oneDNN's call costs more there)
+    assert hardware.cpu_paths(torch.bfloat16, rows=1, weight_bytes=12 << 20)["project_features"] == "tiles"
+    assert hardware.cpu_paths(torch.bfloat16, rows=4, weight_bytes=2 << 20)["inject_context_kv"] == "tiles"
+    big = hardware.cpu_paths(torch.bfloat16, rows=1, weight_bytes=(12 << 20) + 1)["project_features"]
+    assert big == ("onednn" if bf16_units else "tiles")
     # fp32: our weight tiles while the op is bound by weight bytes, the library's GEMM above
     assert hardware.cpu_paths(torch.float32, rows=8)["project_features"] == "tiles"
     assert hardware.cpu_paths(torch.float32, rows=9)["project_features"] == "mkl"

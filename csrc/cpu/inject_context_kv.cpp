@@ -41,7 +41,8 @@ void inject_impl(const at::Tensor& ctx, const at::Tensor& k_weight, const at::Te
   at::Tensor proj = at::empty({2, Tv, NK}, ctx.options().dtype(at::kFloat));
   const at::Tensor weights[2] = {k_weight, v_weight};
   const T* ctx_ptr = ctx.data_ptr<T>();
-  if (gemm_path(ctx.scalar_type(), Tv) != GemmPath::tiles) {
+  const int64_t weight_bytes = 2 * NK * H * static_cast<int64_t>(ctx.element_size());
+  if (gemm_path(ctx.scalar_type(), Tv, weight_bytes) != GemmPath::tiles) {
     const at::Tensor x = Tv == d.T ? ctx : ctx.index_select(0, at::tensor(tokens));
     for (int64_t half = 0; half < 2; ++half) {
       at::Tensor p = proj[half];

@@ -3,6 +3,7 @@
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 
@@ -69,8 +70,9 @@ Isa parse_isa(const std::string& name) {
   TORCH_CHECK_VALUE(false, "unknown CPU ISA level '", name, "': expected auto, avx2, avx512, avx512_bf16 or amx_bf16");
 }
 
-GemmPath gemm_path(at::ScalarType dtype, int64_t rows) {
-  if (dtype == at::kBFloat16 && active_isa() >= Isa::avx512_bf16) return GemmPath::onednn;
+GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
+  const bool small = rows <= kStreamRows && weight_bytes <= kStreamWork / std::max<int64_t>(rows, 1);
+  if (dtype == at::kBFloat16 && active_isa() >= Isa::avx512_bf16 && !small) return GemmPath::onednn;
   if (dtype == at::kFloat && rows > kStreamRows) return GemmPath::mkl;
   return GemmPath::tiles;
 }
@@ -128,9 +130,9 @@ at::ScalarType dtype_named(const char* name) {
 
 PyObject* py_cpu_gemm_path(PyObject*, PyObject* args) {
   const char* dtype = nullptr;
-  long long rows = 0;
-  if (!PyArg_ParseTuple(args, "sL", &dtype, &rows)) return nullptr;
-  return PyUnicode_FromString(path_name(gemm_path(dtype_named(dtype), rows)));
+  long long rows = 0, weight_bytes = 0;
+  if (!PyArg_ParseTuple(args, "sLL", &dtype, &rows, &weight_bytes)) return nullptr;
+  return PyUnicode_FromString(path_name(gemm_path(dtype_named(dtype), rows, weight_bytes)));
 }
 
 PyObject* py_cpu_attention_path(PyObject*, PyObject* args) {

@@ -18,16 +18,20 @@ Isa set_active_isa(Isa level);    // returns the previous level; refuses a level
 const char* isa_name(Isa level);
 Isa parse_isa(const std::string& name);  // "auto" = detected; an unknown name is an error
 
-// The GEMM path of project_features and inject_context_kv for `rows` input rows:
-//   "onednn"  bf16 where the CPU has bf16 units: oneDNN's bf16 dot products / AMX tiles;
+// The GEMM path of project_features and inject_context_kv for `rows` input rows over
+// `weight_bytes` of weights:
+//   "onednn"  bf16 where the CPU has bf16 units: oneDNN's bf16 dot products / AMX tiles,
+//             unless rows x weight_bytes <= kStreamWork (few rows of small weights, where
+//             oneDNN's per-call cost, ~50 us, outweighs its dot products: our tiles win);
 //   "mkl"     fp32 above kStreamRows rows: the library's blocked GEMM, threaded by itself;
 //   "tiles"   our weight tiles on the threads: fp32 BLAS per tile, reduced dtypes converted
 //             (streamed through fused dot products up to kStreamRows rows).
-// Measured on both kinds of CPU (bench/RESULTS.md §1): at few rows the op is bound by the
-// weight bytes and the tiles win; above, and in bf16 with bf16 units, the libraries do.
+// The thresholds come from bench/RESULTS.md §1 (SmolLM2 / Qwen3-8B drafter shapes, both CPU
+// kinds seen so far); they are measured, on few machines, not derived.
 constexpr int64_t kStreamRows = 8;
+constexpr int64_t kStreamWork = int64_t{12} << 20;  // rows x weight bytes
 enum class GemmPath { onednn, mkl, tiles };
-GemmPath gemm_path(at::ScalarType dtype, int64_t rows);
+GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes);
 const char* path_name(GemmPath path);
 
 // The path of block_attention for `keys` keys per sequence (context + block) and `rows`

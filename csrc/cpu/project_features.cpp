@@ -25,7 +25,7 @@ void project_features_impl(const std::vector<at::Tensor>& features, const at::Te
   at::Tensor acc = std::is_same_v<T, float> ? out : at::empty({T_, H_out}, out.options().dtype(at::kFloat));
   float* c = acc.data_ptr<float>();
 
-  if (gemm_path(out.scalar_type(), T_) != GemmPath::tiles) {
+  if (gemm_path(out.scalar_type(), T_, fc_weight.numel() * fc_weight.element_size()) != GemmPath::tiles) {
     library_gemm_nt(features, fc_weight, acc);
   } else {
     const T* w = fc_weight.data_ptr<T>();
