@@ -15,7 +15,7 @@ cap_onednn_isa_from_env()
 from . import _C  # noqa: E402  (registers torch.ops.dflash_ext.*)
 from . import hardware, ops, reference  # noqa: E402
 
-hardware.cpu_isa()  # reads DFLASH_CPU_ISA now: a bad value is an error at import, not at a call
+_C._cpu_isa()  # reads DFLASH_CPU_ISA now: a bad value is an error at import, not at a call
 from .ops import block_attention, inject_context_kv, project_features  # noqa: E402
 
 __version__ = "0.1.0"

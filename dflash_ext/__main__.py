@@ -181,13 +181,12 @@ def cmd_export(args):
     if args.draft_vocab == 0:
         drafter.set_draft_vocab(None)
     elif args.draft_vocab is not None:
-        from .training.data import load_records
+        from .training.data import load_records, split_holdout
         from .training.trainer import most_frequent_tokens
 
         if args.data is None:
             raise SystemExit("export --draft-vocab K needs --data (the training data folder)")
-        records = load_records(args.data)
-        records = records[:len(records) - args.holdout] if args.holdout else records
+        records, _ = split_holdout(load_records(args.data), args.holdout)
         ids, coverage = most_frequent_tokens(records, drafter.config.vocab_size, args.draft_vocab)
         drafter.set_draft_vocab(ids)
         print(f"[dflash_ext] draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f} % of the response "
@@ -261,7 +260,8 @@ def main(argv=None):
                    help="random (default), target (layers from the target's last layers), or a drafter "
                         "folder to continue from (its weights, a fresh optimizer)")
     t.add_argument("--loss-vocab", type=int, default=None,
-                   help="softmax of the loss over the K most frequent response tokens (training only; 0 = all)")
+                   help="softmax of the loss over the K most frequent response tokens, recorded as the "
+                        "checkpoint's draft vocabulary (0 = all)")
     t.add_argument("--eval-stride", type=int, default=None, help="held-out anchors every N response positions")
     t.add_argument("--log-every", type=int, default=None)
     t.add_argument("--device", default="cpu")

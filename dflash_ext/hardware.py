@@ -23,9 +23,9 @@ _ONEDNN_MAX_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX5
 
 def cpu_has_bf16_units() -> bool:
     """True where bf16 matmuls run on bf16 dot-product units (avx512_bf16 or AMX-BF16),
-    i.e. where oneDNN's bf16 GEMM beats fp32 instead of converting in software."""
-    cpu = torch.cpu
-    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    i.e. where oneDNN's bf16 GEMM beats fp32 instead of converting in software: the
+    kernels' detected ISA level (one detection for the dtype choice and the dispatch)."""
+    return ISA_LEVELS.index(cpu_isa()["detected"]) >= ISA_LEVELS.index("avx512_bf16")
 
 
 def cpu_description() -> str:
@@ -36,8 +36,9 @@ def cpu_description() -> str:
             model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
     except OSError:
         pass
-    feats = [name for name, ok in (("avx512_bf16", torch.cpu._is_avx512_bf16_supported()),
-                                   ("amx", torch.cpu._is_amx_tile_supported())) if ok]
+    level = ISA_LEVELS.index(cpu_isa()["detected"])
+    feats = [name for name, need in (("avx512_bf16", "avx512_bf16"), ("amx", "amx_bf16"))
+             if level >= ISA_LEVELS.index(need)]
     return f"{model} ({', '.join(feats) or 'no bf16 units'}, {torch.get_num_threads()} threads)"
 
 

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Sequence
 
 import torch
 
-__all__ = ["generate_responses", "target_features", "compute_features", "load_records", "FeatureStore"]
+__all__ = ["generate_responses", "target_features", "compute_features", "load_records", "split_holdout", "FeatureStore"]
 
 
 def _records_in(folder: str) -> List[dict]:
@@ -34,6 +34,12 @@ def _records_in(folder: str) -> List[dict]:
 
 def load_records(folder: str) -> List[dict]:
     return sorted(_records_in(folder), key=lambda r: r["id"])
+
+
+def split_holdout(records: List[dict], holdout: int):
+    """(training records, held-out records): the `holdout` last (highest-id) records held out."""
+    heldout = records[len(records) - holdout:] if holdout else []
+    return records[:len(records) - len(heldout)], heldout
 
 
 @torch.no_grad()

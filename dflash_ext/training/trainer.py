@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..drafter import DFlashDrafter, default_target_layer_ids
 from ..hardware import fastest_dtype
-from .data import FeatureStore, load_records, target_features
+from .data import FeatureStore, load_records, split_holdout, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
 
 __all__ = ["TrainConfig", "train", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
@@ -234,8 +234,7 @@ def _split_records(cfg: TrainConfig, features: "_Features"):
     """(training records, held-out records): the `holdout` highest ids are held out."""
     records = [r for r in load_records(cfg.data)
                if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
-    heldout = records[len(records) - cfg.holdout:] if cfg.holdout else []
-    return records[:len(records) - len(heldout)], heldout
+    return split_holdout(records, cfg.holdout)
 
 
 def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="cpu"):
