@@ -9,7 +9,7 @@ The extension is a CUDAExtension when torch was built with CUDA and nvcc is foun
 Set DFLASH_FORCE_CPU=1 to build the CPU-only extension on a CUDA machine.
 
 Each CUDA source is compiled for ONE architecture, named by its file name
-(`*_sm80.cu`, `*_sm90a.cu`, `*_sm100a.cu`), with explicit -gencode flags: the build
+(`*_sm80.cu`, `*_sm90a.cu`, `*_sm100.cu`), with explicit -gencode flags: the build
 never asks a GPU. The .cu files are compiled by a small ninja file of our own (torch's
 builder gives every .cu file the same flags) into build/cuda_objects/, next to the
 `-Xptxas -v` report of each file (`<name>.ptxas.txt`, read by the SASS/spill test), and
@@ -48,7 +48,9 @@ def _nvcc():
 CUDA_ARCH_GENCODE = {
     "sm80": ["-gencode", "arch=compute_80,code=[sm_80,compute_80]"],
     "sm90a": ["-gencode", "arch=compute_90a,code=sm_90a"],
-    "sm100a": ["-gencode", "arch=compute_100a,code=sm_100a"],
+    # Blackwell (CC 10.x: B200 10.0, B300 10.3): the plain target, whose SASS runs on every
+    # 10.x GPU (sm_100a code runs on 10.0 only) -- these kernels use no 10.0-only feature.
+    "sm100": ["-gencode", "arch=compute_100,code=sm_100"],
 }
 
 

@@ -6,7 +6,9 @@
 Each case runs the op once and compares it with the fp32 reference (a loose check: the
 tests hold the tolerances; this script is about memory errors). Exits non-zero on a
 mismatch. Paths covered: tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV
-with the combine, empty splits) and the SIMT kernels (fp32, odd shapes).
+with the combine, empty splits) and the SIMT kernels (fp32, odd shapes); and the index
+guards: bad slots, positions and cache ranges with validate=False (skipped or clamped, so
+memcheck must see no access outside the tensors).
 """
 import os
 import sys
@@ -67,11 +69,39 @@ def attention_cases():
                     out, reference.block_attention(*inp.args()))
 
 
+def unvalidated_bad_index_cases():
+    for dtype in DTYPES:
+        T, S, P = 16, 20, 24
+        inp = make_inject_inputs(T, 1024, 2, 2, 128, S=S, P=P, dtype=dtype, device="cuda", seed=3, sentinel=0.0)
+        slots = torch.arange(T)
+        slots[0], slots[1], slots[2] = S, 1 << 40, -9
+        positions = torch.arange(T)
+        positions[3], positions[4] = P + 5, -(1 << 40)
+        inp.slots, inp.positions = slots.cuda(), positions.cuda()
+        good = torch.ones(T, dtype=torch.bool, device="cuda")
+        good[:5] = False
+        k_ref, v_ref = inp.k_cache.clone(), inp.v_cache.clone()
+        dflash_ext.inject_context_kv(*inp.args(), validate=False)
+        reference.inject_context_kv(inp.ctx[good], inp.k_weight, inp.v_weight, inp.k_norm_weight, inp.cos, inp.sin,
+                                    inp.positions[good], inp.slots[good], k_ref, v_ref, inp.eps)
+        compare(f"inject_context_kv {dtype} bad slots/positions, validate=False",
+                torch.cat([inp.k_cache, inp.v_cache]), torch.cat([k_ref, v_ref]))
+        att = make_attention_inputs([3000, 40], 16, 8, 2, 128, dtype=dtype, device="cuda", seed=5, poison=False)
+        S = att.k_cache.shape[0]
+        att.cache_offsets = torch.tensor([-(1 << 40), S - 10], device="cuda")
+        att.cache_lens = torch.tensor([1 << 40, 500], device="cuda")
+        out = dflash_ext.block_attention(*att.args(), max_context=1000, validate=False)
+        att.cache_offsets, att.cache_lens = torch.tensor([0, S - 10], device="cuda"), torch.tensor([S, 10], device="cuda")
+        att.window = 1000  # what the clamps amount to: offsets into the cache, at most max_context rows
+        compare(f"block_attention {dtype} bad ranges, validate=False", out, reference.block_attention(*att.args()))
+
+
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "this script needs a CUDA device"
     project_cases()
     inject_cases()
     attention_cases()
+    unvalidated_bad_index_cases()
     torch.cuda.synchronize()
     print(f"{len(failures)} mismatches" + (f": {failures}" if failures else ""))
     sys.exit(1 if failures else 0)

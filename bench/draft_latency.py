@@ -8,7 +8,9 @@
 One step, as DFlashProposer runs it: project_features + inject_context_kv of the ``tau``
 tokens the last verify accepted, the N layers over the block [last token, MASK x (B-1)]
 (block_attention), final norm, LM head, argmax; ``fused`` (DFlashDrafter fused=True) vs
-``reference`` (fused=False), random weights of real drafter shapes (PRESETS). Grid: the
+``reference`` (fused=False), and on CUDA ``graph``: the fused step with validate=False (no
+host sync) captured once in a CUDA graph and replayed, as DFlashProposer drafts on CUDA
+(--no-graph skips it). Random weights of real drafter shapes (PRESETS). Grid: the
 product of --presets/--blocks/--contexts/--batch, else DEFAULT_GRIDS. The context is filled
 once, untimed; each timed step re-injects the same tokens in place. Both paths' hidden states
 are checked to agree first (exit status 1 if not). Medians (_common.measure); floor = (weights
@@ -41,6 +43,7 @@ DEFAULT_GRIDS = {  # [(preset, dtype, batches, contexts, blocks)], each expanded
             ("qwen3-8b", "bfloat16", [1], [512, 2048], [4, 16])],  # qwen3 in bf16: its LM head is 2.5 GB in fp32
 }
 PIECES, PATHS = ["project", "inject", "attention", "layers_rest", "lm_head"], ["fused", "reference"]
+GRAPH = "graph"  # the fused step in a CUDA graph (CUDA only)
 CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # ||fused - ref|| / ||ref||
 
 
@@ -88,8 +91,13 @@ def fill_context(drafter, cache, batch, context, fill, gen, fused):
         buf[:, :context] = torch.randn(buf[:, :context].shape, generator=gen, device=dev).to(dt)
     for buf, b in itertools.product((cache.k, cache.v), range(1, batch)):  # the same context in every sequence
         buf[:, b * cache.capacity:b * cache.capacity + context] = buf[:, :context]
-    cache.lengths = [context] * batch
+    set_lengths(cache, context)
     return fill
+
+
+def set_lengths(cache, n):
+    for b in range(len(cache.lengths)):
+        cache.set_length(b, n)
 
 
 class Setup:
@@ -105,32 +113,54 @@ class Setup:
         self.ids = torch.full((batch, block), c.mask_token_id, dtype=torch.long, device=dev)
         self.ids[:, 0] = torch.randint(0, c.vocab_size - 1, (batch,), generator=gen, device=dev)
         self.block_pos = torch.arange(context + tau, context + tau + block, device=dev).repeat(batch, 1)
-        drafter.rope_tables(context + tau + block + 1)  # built before timing
+        self.max_position = context + tau + block
+        drafter.rope_tables(self.max_position + 1)  # built before timing
+        self.graph = None
 
     def project(self, impl):
         return impl.project_features(self.feats, self.d.fc.weight, self.d.hidden_norm.weight, self.d.config.rms_norm_eps)
 
     def inject_args(self, impl):
         d = self.d
-        return (self.project(impl), *d._stacked_kv_weights(), *d.rope_tables(int(self.inj_pos.max()) + 1),
+        return (self.project(impl), *d._stacked_kv_weights(), *d.rope_tables(self.max_position + 1),
                 self.inj_pos, self.slots, self.cache.k, self.cache.v, d.config.rms_norm_eps)
 
-    def inject(self, fused):
-        self.cache.lengths = [self.context] * self.batch  # every call re-injects the same tau tokens
+    def inject(self, fused, validate=True):
+        set_lengths(self.cache, self.context)  # every call re-injects the same tau tokens
         if self.batch == 1:
-            return self.d.add_context(self.cache, 0, self.feats, self.inj_pos, fused=fused)
-        (ops if fused else reference).inject_context_kv(*self.inject_args(ops if fused else reference))
-        self.cache.lengths = [self.context + self.tau] * self.batch
+            return self.d.add_context(self.cache, 0, self.feats, self.inj_pos, fused=fused,
+                                      max_position=self.max_position, validate=validate)
+        if fused:
+            ops.inject_context_kv(*self.inject_args(ops), validate=validate)
+        else:
+            reference.inject_context_kv(*self.inject_args(reference))
+        set_lengths(self.cache, self.context + self.tau)
 
-    def hidden(self, fused):
-        return self.d.draft_hidden(self.cache, F.embedding(self.ids, self.lm_w), self.block_pos, fused=fused)
+    def hidden(self, fused, validate=True):
+        return self.d.draft_hidden(self.cache, F.embedding(self.ids, self.lm_w), self.block_pos, fused=fused,
+                                   max_position=self.max_position, validate=validate)
+
+    def graph_step(self):
+        """The fused step without validation, captured in a CUDA graph on first use, replayed."""
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(True, validate=False)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.graph_out = self.step(True, validate=False)
+        self.graph.replay()
+        return self.graph_out
 
     def lm_head(self, hidden):
         return draft_tokens(hidden, lambda rows: F.linear(rows, self.lm_w))
 
-    def step(self, fused):
-        self.inject(fused)
-        return self.lm_head(self.hidden(fused))
+    def step(self, fused, validate=True):
+        self.inject(fused, validate)
+        return self.lm_head(self.hidden(fused, validate))
 
     def pieces(self, fused):
         """{piece: callable}, with inputs captured from one real step of this path."""
@@ -157,13 +187,17 @@ def kv_bytes(cfg, batch, rows, itemsize):
     return 2 * cfg.num_hidden_layers * batch * rows * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-def check_paths(s, dtype):
+def check_paths(s, dtype, paths):
     """Fused and reference hidden states must agree; returns error metrics for the JSON."""
     h = {}
     for fused in (False, True):
         s.inject(fused)
         h[fused] = s.hidden(fused).float()
     err = ((h[True] - h[False]).norm() / h[False].norm().clamp_min(1e-30)).item()
+    if GRAPH in paths:  # the replayed graph drafts the tokens the eager fused step drafts (same plan)
+        eager = s.step(True, validate=False)
+        if not torch.equal(s.graph_step(), eager):
+            raise MismatchError("the CUDA graph replay drafts other tokens than the eager fused step")
     agree = (s.lm_head(h[True].to(s.lm_w.dtype)) == s.lm_head(h[False].to(s.lm_w.dtype))).float().mean().item()
     if not math.isfinite(err) or err > CHECK_TOL[dtype]:
         raise MismatchError(f"fused and reference draft steps DISAGREE: relative error of the hidden states "
@@ -173,21 +207,24 @@ def check_paths(s, dtype):
 
 def time_step(s, paths, timing, bw, breakdown):
     """A row's timings: the whole step of each path, its floor and the per-op breakdown."""
-    t, info = _common.measure({path: (lambda f=(path == "fused"): s.step(f)) for path in paths}, **timing)
+    steps = {"fused": lambda: s.step(True), "reference": lambda: s.step(False), GRAPH: s.graph_step}
+    t, info = _common.measure({path: steps[path] for path in paths}, **timing)
     wb = sum(p.numel() * p.element_size() for p in [*s.d.parameters(), s.lm_w])  # every weight read once
     kvb = kv_bytes(s.d.config, s.batch, s.context + s.tau, s.lm_w.element_size())  # the context K/V read
     row = dict(bytes_weights=wb, bytes_kv=kvb, floor_ms=(wb + kvb) / (bw * 1e6),
                speedup=t["reference"] / t["fused"] if "fused" in t else None)
-    for path in PATHS:
+    for path in PATHS + [GRAPH]:
         row.update({f"{path}_ms": t.get(path), f"{path}_min_ms": info.get(f"{path}_min_ms"),
                     f"x_floor_{path}": t[path] / row["floor_ms"] if path in t else None})
+    row["graph_speedup"] = t["fused"] / t[GRAPH] if GRAPH in t else None
     row.update(repeats=info["repeats"], noisy=info["noisy"])
     if breakdown:
-        tb, binfo = _common.measure({f"{path}:{k}": fn for path in paths for k, fn in s.pieces(path == "fused").items()},
+        eager = [p for p in paths if p != GRAPH]
+        tb, binfo = _common.measure({f"{path}:{k}": fn for path in eager for k, fn in s.pieces(path == "fused").items()},
                                     **timing)
         row["breakdown"] = {path: dict({f"{k}_ms": tb[f"{path}:{k}"] for k in PIECES}, repeats=binfo["repeats"],
                                        sum_ms=sum(tb[f"{path}:{k}"] for k in PIECES), noisy=binfo["noisy"])
-                            for path in paths}
+                            for path in eager}
     return row
 
 
@@ -195,6 +232,8 @@ KEYS = ["preset", "dtype", "batch", "context", ("block_size", "B", "{}")]
 MAIN_COLS = KEYS + ["tau", ("fused_ms", "fused_ms", "{:.3f}"), ("reference_ms", "ref_ms", "{:.3f}"),
                     ("speedup", "ref/fused", "{:.2f}x"), ("floor_ms", "floor_ms", "{:.3f}"),
                     ("x_floor_fused", "fused x floor", "{:.1f}"), ("x_floor_reference", "ref x floor", "{:.1f}"),
+                    ("graph_ms", "graph_ms", "{:.3f}"), ("graph_speedup", "fused/graph", "{:.2f}x"),
+                    ("x_floor_graph", "graph x floor", "{:.1f}"),
                     ("context_fill", "ctx fill", "{}"), ("repeats", "n", lambda r: f"{r['repeats']}" + "!" * r["noisy"])]
 BREAKDOWN_COLS = KEYS + ["path"] + [
     (f"{p}_ms", f"{p}_ms", lambda r, p=p: f"{r[p + '_ms']:.3f} ({100 * r[p + '_ms'] / r['sum_ms']:.0f}%)")
@@ -242,6 +281,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-kv-gb", type=float, default=None,
                     help="skip larger K/V caches (default 4 on CPU, 40 on CUDA)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown")
+    ap.add_argument("--no-graph", action="store_true", help="on CUDA, skip the CUDA graph path")
     ap.add_argument("--png", default=os.path.join(OUT_DIR, "draft_latency.png"), help="'' for no plot")
     args = ap.parse_args(argv)
     if args.tau < 1 or min(args.blocks or [2]) < 2 or min(args.contexts or [0]) < 0 or min(args.batch or [1]) < 1:
@@ -256,10 +296,12 @@ def main(argv=None):
     max_kv_gb, paths = args.max_kv_gb or (40.0 if device.type == "cuda" else 4.0), PATHS[1:] if missing else PATHS
     if missing:
         print(f"WARNING: no {device.type} kernel for {missing}: timing the reference path only", file=sys.stderr)
+    elif device.type == "cuda" and not args.no_graph:
+        paths = paths + [GRAPH]
     grid, timing, log = build_grid(args, device), _common.timing(args), _common.logger()
     bw = _common.copy_bandwidth(device, **timing)["copy_gbps"]
     meta = _common.metadata(device, copy_bandwidth_gbs=round(bw, 2), tau=args.tau, quick=args.quick, timing=timing,
-                            cuda_graphs=False, paths=paths, max_kv_gb=max_kv_gb,
+                            cuda_graphs=GRAPH in paths, paths=paths, max_kv_gb=max_kv_gb,
                             presets={k: v for k, v in PRESETS.items() if k in {g[0] for g in grid}},
                             grid=[dict(zip(("preset", "dtype", "batch", "context", "block_size"), g)) for g in grid])
     log(f"draft_latency: {_common.header(meta)}, copy {bw:.1f} GB/s, {len(grid)} configurations, tau {args.tau}")
@@ -281,7 +323,7 @@ def main(argv=None):
                 for *_, block in sub:
                     s = Setup(drafter, lm_w, cache, bsz, context, block, args.tau, gen)
                     rows.append(dict(where, block_size=block, tau=args.tau, context_fill=fill,
-                                     check=check_paths(s, dtype) if "fused" in paths else None,
+                                     check=check_paths(s, dtype, paths) if "fused" in paths else None,
                                      **time_step(s, paths, timing, bw, breakdown=not args.no_breakdown)))
                     log(" ".join(f"{k} {v}" for k, v in where.items()) + f" B {block}: "
                         + ", ".join(f"{p} {rows[-1][p + '_ms']:.3f} ms" for p in paths))

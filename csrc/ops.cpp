@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "dflash/checks.h"
+#include "dflash/cuda/plans.h"
 
 namespace dflash {
 namespace {
@@ -106,7 +108,8 @@ InjectDims check_inject_context_kv(const at::Tensor& ctx, const at::Tensor& k_we
 BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& k_block,
                                          const at::Tensor& v_block, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& cache_offsets,
-                                         const at::Tensor& cache_lens, double scale, int64_t window) {
+                                         const at::Tensor& cache_lens, double scale, int64_t window,
+                                         int64_t max_context) {
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be a 4-D tensor [Bsz, Bq, Hq, D], got shape ",
               q.defined() ? q.sizes() : at::IntArrayRef{});
   TORCH_CHECK(is_supported_float(q.scalar_type()),
@@ -130,6 +133,7 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
   check_index(cache_lens, "cache_lens", Bsz, q, "q");
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
+  TORCH_CHECK(max_context >= -1, "max_context must be >= 0, or -1 (no bound), got ", max_context);
   return {Bsz, Bq, Hq, Hkv, D, S};
 }
 
@@ -155,7 +159,8 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
               " is written more than once");
 }
 
-void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S) {
+void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
+                        int64_t max_context) {
   const auto off = offsets_cpu.contiguous();
   const auto len = lens_cpu.contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
@@ -166,6 +171,10 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
     // l <= S - o, never o + l <= S: the sum of two int64 values can overflow (UB, wraps negative).
     TORCH_CHECK(o[b] <= S && l[b] <= S - o[b], "context of sequence ", b, " (cache_offsets[", b, "] = ", o[b],
                 ", cache_lens[", b, "] = ", l[b], ") runs past the end of the cache (S=", S, " rows)");
+    const int64_t visible = window > 0 ? std::min(l[b], window) : l[b];
+    TORCH_CHECK(max_context < 0 || visible <= max_context, "sequence ", b, " sees ", visible,
+                " context rows (cache_lens[", b, "] = ", l[b], ", window ", window, ") but max_context is ",
+                max_context);
   }
 }
 
@@ -176,10 +185,11 @@ TORCH_LIBRARY(dflash_ext, m) {
   m.def(
       "inject_context_kv(Tensor ctx, Tensor k_weight, Tensor v_weight, Tensor k_norm_weight, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor(a!) k_cache, "
-      "Tensor(b!) v_cache, float eps) -> ()");
+      "Tensor(b!) v_cache, float eps, bool validate=True) -> ()");
   m.def(
       "block_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, Tensor v_cache, "
-      "Tensor cache_offsets, Tensor cache_lens, float scale, int window=0) -> Tensor");
+      "Tensor cache_offsets, Tensor cache_lens, float scale, int window=0, int max_context=-1, "
+      "bool validate=True) -> Tensor");
 }
 
 // Importing dflash_ext._C loads this library and so runs the registrations above;
@@ -202,7 +212,29 @@ PyObject* py_cpu_gemm_path(PyObject*, PyObject* args);
 PyObject* py_cpu_attention_path(PyObject*, PyObject* args);
 }  // namespace dflash::cpu
 
+// The CUDA launch-plan rules (pure host code, dflash/cuda/plans.h) for the host tests.
+static PyObject* plan_tuple(dflash::cuda::SplitPlan plan) { return Py_BuildValue("(ii)", plan.splits, plan.units_per_split); }
+
+static PyObject* py_cuda_plan(PyObject*, PyObject* args) {
+  const char* rule = nullptr;
+  long long a = 0, b = 0, c = 0, d = 0, e = 0;
+  if (!PyArg_ParseTuple(args, "sL|LLLL", &rule, &a, &b, &c, &d, &e)) return nullptr;
+  namespace dc = dflash::cuda;
+  const std::string name(rule);
+  if (name == "split") return plan_tuple(dc::split_plan(a, b, c, d, e));
+  if (name == "attention") return plan_tuple(dc::attention_split_plan(a, b, static_cast<int>(c), d));
+  if (name == "gemm") return plan_tuple(dc::gemm_split_plan(a, b, c));
+  if (name == "planned_context") return PyLong_FromLongLong(dc::planned_context(a, b, c));
+  if (name == "kernel_arch") return PyLong_FromLong(static_cast<long>(dc::kernel_arch_for(static_cast<int>(a), static_cast<int>(b))));
+  PyErr_Format(PyExc_ValueError, "unknown plan rule %s", rule);
+  return nullptr;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_cuda_plan", py_cuda_plan, METH_VARARGS,
+     "(rule, ints...) -> a CUDA launch-plan rule evaluated on the host: split(ctas, units, min_units, max_splits, "
+     "wave), attention(ctas, max_keys, key_tile, wave), gemm(ctas, k_tiles, wave) -> (splits, units per split); "
+     "planned_context(max_context, window, S); kernel_arch(major, minor) -> 0, 80, 90 or 100."},
     {"_set_blas_fallback", py_set_blas_fallback, METH_O,
      "Route the CPU kernels' fp32 GEMMs through at::mm instead of BLAS (tests); returns the old setting."},
     {"_cpu_isa", dflash::cpu::py_cpu_isa, METH_NOARGS,

@@ -108,10 +108,19 @@ def draft_tokens(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.T
 
 class DFlashProposer:
     """Glue between the drafter and one target: the target's embedding and LM head, the
-    drafter's context cache, and the selected target layers."""
+    drafter's context cache, and the selected target layers.
+
+    On CUDA the draft step reads nothing back on the host: the indices come from our own
+    cache, so the fused ops run with ``validate=False`` (their kernels guard every index),
+    the cache lengths live in a device tensor updated in place, and the RoPE tables cover
+    every reachable position from the start. So the whole step (block embedding, N
+    layers, final norm, LM head, argmax) is captured in a CUDA graph per block size and
+    replayed (``cuda_graph``, default: on for a CUDA drafter with the fused ops). The
+    injection after a verify runs eagerly (its token count varies), without a sync.
+    On CPU nothing of this applies: the ops validate and run eagerly."""
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, fused: bool = True,
-                 draft_window: Optional[int] = None):
+                 draft_window: Optional[int] = None, cuda_graph: Optional[bool] = None):
         drafter.check_fits(target.config)
         self.drafter, self.fused = drafter, fused
         self.embed = target.get_input_embeddings()
@@ -119,30 +128,82 @@ class DFlashProposer:
         self.layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
         self.cache: DraftCache = drafter.new_cache(1, capacity, draft_window)
-        # The draft vocabulary's rows of the target's LM head (a copy made once per generation).
-        self.vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.to(self.lm_head.weight.device)
-        self.vocab_head = None if self.vocab is None else self.lm_head.weight.detach()[self.vocab].contiguous()
-        bias = getattr(self.lm_head, "bias", None)
-        self.vocab_bias = None if self.vocab is None or bias is None else bias.detach()[self.vocab]
+        self.device = drafter.fc.weight.device
+        on_cuda = self.device.type == "cuda"
+        # Every position a block can reach (the cache holds <= capacity tokens, a block
+        # adds block_size); the tables are made now and never grow inside a step.
+        self.position_limit = capacity + drafter.config.block_size + 1
+        drafter.rope_tables(self.position_limit)
+        self.validate = not on_cuda
+        if cuda_graph and not (on_cuda and fused):
+            raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")
+        self.cuda_graph = on_cuda and fused if cuda_graph is None else cuda_graph
+        self._graphs = {}  # n drafted tokens -> _CapturedDraftStep
+        self.vocab = self.vocab_head = self.vocab_bias = None
+        if drafter.draft_vocab is not None:  # cached on the drafter: gathered once, not per generation
+            self.vocab, self.vocab_head, self.vocab_bias = drafter.draft_vocab_head(self.lm_head)
 
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
         tokens in `rows` of the last target pass, at `positions`."""
         feats = [hidden_states[l + 1][0, rows].to(self.drafter.fc.weight.dtype) for l in self.layer_ids]
-        self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused)
+        self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused,
+                                 max_position=self.position_limit - 1, validate=self.validate)
 
     def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
         """n draft tokens following `last_token` at `position`."""
-        device = self.drafter.fc.weight.device
-        ids = torch.full((1, n + 1), self.mask_token_id, dtype=torch.long, device=device)
-        ids[0, 0] = last_token
-        positions = torch.arange(position, position + n + 1, device=device)[None]
+        if position + n >= self.position_limit:
+            raise RuntimeError(f"a block at position {position} of {n + 1} tokens runs past the "
+                               f"{self.position_limit} positions this proposer was made for")
+        if self.cuda_graph:
+            step = self._graphs.get(n)
+            if step is None:
+                step = self._graphs[n] = _CapturedDraftStep(self, n)
+            return step(last_token, position)
+        ids = torch.full((1, n + 1), self.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, :1].fill_(last_token)
+        return self.draft_step(ids, torch.arange(position, position + n + 1, device=self.device)[None])
+
+    def draft_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The draft tokens [n] for the block `ids` [1, n + 1] at `positions` [1, n + 1]:
+        everything a captured step replays (no host reads on CUDA)."""
         embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
-        hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused)
+        hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused,
+                                           max_position=self.position_limit - 1, validate=self.validate)
         if self.vocab is None:
             return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
         return draft_tokens(hidden.to(self.vocab_head.dtype), lambda rows: F.linear(rows, self.vocab_head, self.vocab_bias),
                             self.vocab)[0]
+
+
+class _CapturedDraftStep:
+    """DFlashProposer.draft_step for one block size, captured in a CUDA graph: static input
+    buffers (the block's token ids and positions), the cache and its device lengths read
+    in place, one replay per draft. The attention is planned for the cache capacity, so a
+    replay stays correct as the context grows."""
+
+    def __init__(self, proposer: DFlashProposer, n: int):
+        dev = proposer.device
+        self.ids = torch.full((1, n + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(n + 1, device=dev)[None]
+        self.positions = self.offsets.clone()
+        # Warm-up on a side stream first (lazy initialisation, the kernels' one-time set-up
+        # and the allocator's pools stay out of the capture), as torch.cuda.graphs advises.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                proposer.draft_step(self.ids, self.positions)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = proposer.draft_step(self.ids, self.positions)
+
+    def __call__(self, last_token: int, position: int) -> torch.Tensor:
+        self.ids[:, :1].fill_(last_token)                     # device fills: no host round trip
+        torch.add(self.offsets, position, out=self.positions)
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites self.out
 
 
 @dataclass

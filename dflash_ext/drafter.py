@@ -310,7 +310,10 @@ def effective_windows(config: DFlashConfig, draft_window: Optional[int] = None) 
 class DraftCache:
     """The drafter's context KV cache: ``[N, batch * capacity, Hkv, D]`` for K and V;
     sequence b owns rows ``b * capacity .. (b+1) * capacity - 1`` and ``lengths[b]`` of
-    them hold accepted tokens. Only accepted tokens advance it."""
+    them hold accepted tokens. Only accepted tokens advance it. The lengths live twice:
+    on the host (``lengths``, for slot arithmetic without reading the device) and in the
+    persistent device tensor ``lens`` that the attention reads, updated in place (so a
+    captured CUDA graph sees the current lengths)."""
 
     def __init__(self, config: DFlashConfig, batch_size: int, capacity: int, device, dtype,
                  draft_window: Optional[int] = None):
@@ -320,20 +323,32 @@ class DraftCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
         self.windows = effective_windows(config, draft_window)
-        self.lengths = [0] * batch_size
+        self._lengths = [0] * batch_size
+        self.lens = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.offsets = torch.arange(batch_size, device=device, dtype=torch.long) * capacity
+
+    @property
+    def lengths(self) -> List[int]:
+        """Accepted tokens per sequence (a copy: change them with set_length / advance)."""
+        return list(self._lengths)
+
+    def set_length(self, b: int, n: int) -> None:
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"sequence {b} cannot hold {n} tokens: the cache capacity is {self.capacity}")
+        self._lengths[b] = n
+        self.lens[b:b + 1].fill_(n)  # a device fill, no host round trip
+
+    def advance(self, b: int, n: int) -> None:
+        self.set_length(b, self._lengths[b] + n)
 
     def slots_for(self, b: int, n: int) -> torch.Tensor:
         """Cache rows for the next n tokens of sequence b (a full cache is an error)."""
-        start = self.lengths[b]
+        start = self._lengths[b]
         if start + n > self.capacity:
             raise RuntimeError(f"drafter context cache is full: sequence {b} holds {start} tokens, "
                                f"{n} more do not fit in its capacity of {self.capacity}")
         return torch.arange(b * self.capacity + start, b * self.capacity + start + n,
                             device=self.k.device, dtype=torch.long)
-
-    def lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.lengths, device=self.k.device, dtype=torch.long)
 
 
 class DFlashDrafter(nn.Module):
@@ -347,6 +362,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self._stacked = None
         self._rope = None
+        self._vocab_head = None
         self.acceptance_profile: Optional[List[float]] = None
         self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU); see DRAFT_VOCAB_NAME
 
@@ -552,37 +568,66 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------ the draft step
     @torch.no_grad()
     def add_context(self, cache: DraftCache, b: int, features: Sequence[torch.Tensor],
-                    positions: torch.Tensor, fused: bool = True) -> None:
+                    positions: torch.Tensor, fused: bool = True, max_position: Optional[int] = None,
+                    validate: bool = True) -> None:
         """Project the target features [T, H] (one per target layer) of T newly accepted
-        tokens of sequence b at `positions` and write their K/V into every layer's cache."""
+        tokens of sequence b at `positions` and write their K/V into every layer's cache.
+        `max_position` bounds the positions (None: read from `positions`, a device sync on
+        CUDA); `validate=False` lets the fused op skip its host-side index check (ops.py)."""
         T = features[0].shape[0]
         if T == 0:
             return
-        impl = ops if fused else reference
         eps = self.config.rms_norm_eps
+        impl = ops if fused else reference
         ctx = impl.project_features(list(features), self.fc.weight, self.hidden_norm.weight, eps)
         k_w, v_w, kn_w = self._stacked_kv_weights()
-        cos, sin = self.rope_tables(int(positions.max()) + 1)
+        cos, sin = self.rope_tables((int(positions.max()) if max_position is None else max_position) + 1)
         slots = cache.slots_for(b, T)
-        impl.inject_context_kv(ctx, k_w, v_w, kn_w, cos, sin, positions, slots, cache.k, cache.v, eps)
-        cache.lengths[b] += T
+        args = (ctx, k_w, v_w, kn_w, cos, sin, positions, slots, cache.k, cache.v, eps)
+        if fused:
+            ops.inject_context_kv(*args, validate=validate)
+        else:
+            reference.inject_context_kv(*args)
+        cache.advance(b, T)
 
     @torch.no_grad()
     def draft_hidden(self, cache: DraftCache, block_embeds: torch.Tensor, positions: torch.Tensor,
-                     fused: bool = True) -> torch.Tensor:
+                     fused: bool = True, max_position: Optional[int] = None, validate: bool = True) -> torch.Tensor:
         """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings
         of [last accepted token, MASK...]) at ``positions [Bsz, B]``; returns the final-normed
-        hidden states [Bsz, B, H]. Block K/V are scratch: the cache is not changed."""
-        cos, sin = self.rope_tables(int(positions.max()) + 1)
+        hidden states [Bsz, B, H]. Block K/V are scratch: the cache is not changed.
+        `max_position` and `validate` as in :meth:`add_context`; with ``validate=False`` the
+        attention is planned for the cache's capacity (a static bound: CUDA graphs)."""
+        cos, sin = self.rope_tables((int(positions.max()) if max_position is None else max_position) + 1)
         cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
-        attention = ops.block_attention if fused else reference.block_attention
-        offsets, lens = cache.offsets, cache.lens_tensor()
+        offsets, lens = cache.offsets, cache.lens
         scale = self.config.head_dim ** -0.5
+        max_context = -1 if validate else cache.capacity
+
+        def attend(i):
+            if fused:
+                return lambda q, k, v: ops.block_attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
+                                                           cache.windows[i], max_context, validate)
+            return lambda q, k, v: reference.block_attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
+                                                             cache.windows[i])
+
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens,
-                                                             scale, cache.windows[i]))
+            x = layer(x, cos, sin, attend(i))
         return self.norm(x)
+
+    def draft_vocab_head(self, lm_head: nn.Module):
+        """(token ids, weight rows, bias rows or None) of the draft vocabulary in the target's
+        LM head, on its device and dtype; gathered once and cached until the head changes."""
+        w = lm_head.weight
+        bias = getattr(lm_head, "bias", None)
+        key = (w.data_ptr(), w._version, w.device, w.dtype, None if bias is None else (bias.data_ptr(), bias._version))
+        if self._vocab_head is None or self._vocab_head[0] != key \
+                or self._vocab_head[1] is not self.draft_vocab:
+            ids = self.draft_vocab.to(w.device)
+            self._vocab_head = (key, self.draft_vocab, ids, w.detach()[ids].contiguous(),
+                                None if bias is None else bias.detach()[ids])
+        return self._vocab_head[2:]
 
     # ------------------------------------------------------------------ training forward
     def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

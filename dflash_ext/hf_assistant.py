@@ -81,7 +81,7 @@ class DFlashAssistant:
                 n = old.lengths[0]
                 self.cache.k[:, :n].copy_(old.k[:, :n])
                 self.cache.v[:, :n].copy_(old.v[:, :n])
-                self.cache.lengths[0] = n
+                self.cache.set_length(0, n)
         return self.cache
 
     @torch.no_grad()

@@ -26,26 +26,42 @@ def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
 def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
                       k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, eps: float = 1e-6) -> None:
+                      v_cache: torch.Tensor, eps: float = 1e-6, validate: bool = True) -> None:
     """Write the context K/V of every drafter layer into the caches, in place.
 
     For each layer i and token t with ``slots[t] >= 0``:
     ``k_cache[i, slots[t]] = RoPE(rms_norm((ctx[t] @ k_weight[i].T).view(Hkv, D)) * k_norm_weight[i])``
     at ``positions[t]`` and ``v_cache[i, slots[t]] = (ctx[t] @ v_weight[i].T).view(Hkv, D)``.
+
+    ``validate=True`` checks the index values (slots in [-1, S) and unique, positions in
+    [0, P)) and raises on a bad one. On CUDA that reads them on the host (a sync);
+    ``validate=False`` reads nothing there (what a CUDA graph needs), and a token whose
+    slot is outside [0, S) or whose position is outside [0, P) is then skipped, nothing
+    written; repeated slots write one of their rows. The CPU always validates.
     """
     _ops.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
-                           k_cache, v_cache, float(eps))
+                           k_cache, v_cache, float(eps), bool(validate))
 
 
 def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_offsets: torch.Tensor,
-                    cache_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    cache_lens: torch.Tensor, scale: float, window: int = 0, max_context: int = -1,
+                    validate: bool = True) -> torch.Tensor:
     """Non-causal attention of each sequence's Bq block queries over its cached context
     rows ``cache_offsets[b] .. cache_offsets[b] + cache_lens[b] - 1`` (the last ``window``
     of them when ``window > 0``) followed by its own Bq block rows. GQA: query head h
-    uses KV head ``h // (Hq // Hkv)``. Returns ``[Bsz, Bq, Hq, D]``."""
+    uses KV head ``h // (Hq // Hkv)``. Returns ``[Bsz, Bq, Hq, D]``.
+
+    ``max_context`` (>= 0) promises that no sequence sees more context rows than that; on
+    CUDA the split-KV plan is sized from it instead of from the lens, so a captured graph
+    stays valid as contexts grow (-1: no bound). ``validate=True`` checks the ranges
+    (offsets >= 0, lens >= 0, offset + len <= S, visible rows <= max_context) and raises;
+    on CUDA that reads them on the host (a sync). ``validate=False`` reads nothing there:
+    a range is then clamped to the cache (offset to [0, S], len to [0, S - offset]) and a
+    sequence sees at most ``max_context`` (else S) of its last rows. The CPU always validates.
+    """
     return _ops.block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens,
-                                float(scale), int(window))
+                                float(scale), int(window), int(max_context), bool(validate))
 
 
 def _check_one_device(**tensors):
@@ -68,7 +84,7 @@ def _project_features_fake(features, fc_weight, norm_weight, eps):
 
 @torch.library.register_fake("dflash_ext::inject_context_kv")
 def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
-                            k_cache, v_cache, eps):
+                            k_cache, v_cache, eps, validate=True):
     _check_one_device(ctx=ctx, k_weight=k_weight, v_weight=v_weight, k_norm_weight=k_norm_weight,
                       cos=cos, sin=sin, positions=positions, slots=slots, k_cache=k_cache,
                       v_cache=v_cache)
@@ -77,7 +93,7 @@ def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, po
 
 @torch.library.register_fake("dflash_ext::block_attention")
 def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
-                          window=0):
+                          window=0, max_context=-1, validate=True):
     _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
                       cache_offsets=cache_offsets, cache_lens=cache_lens)
     return torch.empty_like(q, memory_format=torch.contiguous_format)

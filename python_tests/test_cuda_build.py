@@ -1,5 +1,5 @@
 """The CUDA kernels as compiled, read without a GPU: every architecture file is in the
-extension, the sm_90a tensor-core kernels issue wgmma (HGMMA), the sm_80 / sm_100a ones
+extension, the sm_90a tensor-core kernels issue wgmma (HGMMA), the sm_80 / sm_100 ones
 mma.sync (HMMA), and ptxas reports no spills or local memory for any kernel.
 
 These tests run wherever the extension was built with CUDA (a CUDA build of torch and
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not DESCRIPTION["use_cuda"],
                                 reason="CPU-only build (no CUDA torch or no nvcc): no CUDA kernels compiled")
 
 OPS = ("project_features", "inject_context_kv", "block_attention")
-ARCHES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+ARCHES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100": "sm_100"}
 
 
 def _cuobjdump():
@@ -81,7 +81,7 @@ def test_sm90a_tensor_core_kernels_use_wgmma(sass, op):
         assert " HMMA" not in body, f"{name} (sm_90a) falls back to mma.sync"
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_100a"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100"])
 @pytest.mark.parametrize("op", OPS)
 def test_generic_tensor_core_kernels_use_mma_sync(sass, arch, op):
     kernels = _kernels(sass, arch, rf"{op}_tc_kernel")

@@ -128,9 +128,9 @@ def test_near_the_budget_the_full_trained_block_is_drafted_and_cut(target, monke
     widths = []
     real = DFlashDrafter.draft_hidden
 
-    def spy(self, cache, block_embeds, positions, fused=True):
+    def spy(self, cache, block_embeds, *args, **kwargs):
         widths.append(block_embeds.shape[1])
-        return real(self, cache, block_embeds, positions, fused)
+        return real(self, cache, block_embeds, *args, **kwargs)
 
     monkeypatch.setattr(DFlashDrafter, "draft_hidden", spy)
     for budget, B in ((3, None), (11, None), (9, 4)):

@@ -225,10 +225,12 @@ void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
                                const at::Tensor& v_block, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_offsets,
-                               const at::Tensor& cache_lens, double scale, int64_t window) {
+                               const at::Tensor& cache_lens, double scale, int64_t window,
+                               int64_t max_context, bool /*validate*/) {
   const BlockAttentionDims d = check_block_attention(q, k_block, v_block, k_cache, v_cache,
-                                                     cache_offsets, cache_lens, scale, window);
-  check_cache_ranges(cache_offsets, cache_lens, d.S);
+                                                     cache_offsets, cache_lens, scale, window, max_context);
+  // Always validated on the CPU: the values are in host memory, reading them costs nothing.
+  check_cache_ranges(cache_offsets, cache_lens, d.S, window, max_context);
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (out.numel() == 0) return out;

@@ -109,9 +109,10 @@ void inject_context_kv_cpu(const at::Tensor& ctx, const at::Tensor& k_weight,
                            const at::Tensor& v_weight, const at::Tensor& k_norm_weight,
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                            const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache,
-                           double eps) {
+                           double eps, bool /*validate*/) {
   const InjectDims d = check_inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin,
                                                positions, slots, k_cache, v_cache, eps);
+  // Always validated on the CPU: the values are in host memory, reading them costs nothing.
   check_inject_indices(positions, slots, d.P, d.S);
   const at::Tensor pos = positions.contiguous(), sl = slots.contiguous();
   const int64_t* slot_ptr = sl.data_ptr<int64_t>();

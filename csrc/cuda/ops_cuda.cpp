@@ -1,7 +1,10 @@
 // CUDA implementations of the dflash_ext ops: input checks (shared with the CPU path),
-// workspaces, and dispatch to the launchers of the device's architecture:
-//   compute capability 9.0 -> sm_90a (wgmma), 10.0 -> sm_100a (mma.sync),
-//   any other 8.x or newer -> sm_80 (mma.sync; its PTX is JIT-compiled above 8.x).
+// workspaces, and dispatch to the launchers of the device's architecture
+// (kernel_arch_for in plans.h): compute capability 9.0 -> sm_90a (wgmma), 10.x -> sm_100
+// (mma.sync), any other 8.x or newer -> sm_80 (mma.sync; its PTX is JIT-compiled above 8.x).
+// validate=true reads the index values on the host (one small copy, a sync) for clear
+// errors; validate=false reads nothing on the host, so a step can be captured in a CUDA
+// graph, and the kernels' index guards (params.h) keep every access in bounds.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +15,7 @@
 
 #include "dflash/checks.h"
 #include "dflash/cuda/params.h"
+#include "dflash/cuda/plans.h"
 
 namespace dflash::cuda {
 namespace {
@@ -44,7 +48,7 @@ void check_cuda(cudaError_t err, const char* what) {
 DeviceInfo device_info(const at::Device& device) {
   static const ArchLaunchers sm80 = DFLASH_ARCH_LAUNCHERS(sm80);
   static const ArchLaunchers sm90a = DFLASH_ARCH_LAUNCHERS(sm90a);
-  static const ArchLaunchers sm100a = DFLASH_ARCH_LAUNCHERS(sm100a);
+  static const ArchLaunchers sm100 = DFLASH_ARCH_LAUNCHERS(sm100);
   static std::mutex mutex;
   static std::vector<DeviceInfo> cache;
   const int index = device.index();
@@ -58,9 +62,10 @@ DeviceInfo device_info(const at::Device& device) {
     check_cuda(cudaDeviceGetAttribute(&info.limits.num_sms, cudaDevAttrMultiProcessorCount, index), "reading the SM count");
     check_cuda(cudaDeviceGetAttribute(&info.limits.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, index),
                "reading the shared memory limit");
-    TORCH_CHECK(major >= 8, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
+    const KernelArch arch = kernel_arch_for(major, minor);
+    TORCH_CHECK(arch != KernelArch::kNone, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
                 device, " has ", major, ".", minor);
-    info.launchers = (major == 9 && minor == 0) ? &sm90a : (major == 10 && minor == 0) ? &sm100a : &sm80;
+    info.launchers = arch == KernelArch::kSm90a ? &sm90a : arch == KernelArch::kSm100 ? &sm100 : &sm80;
   }
   return info;
 }
@@ -119,12 +124,13 @@ void inject_context_kv_cuda(const at::Tensor& ctx, const at::Tensor& k_weight,
                             const at::Tensor& v_weight, const at::Tensor& k_norm_weight,
                             const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& positions, const at::Tensor& slots,
-                            at::Tensor& k_cache, at::Tensor& v_cache, double eps) {
+                            at::Tensor& k_cache, at::Tensor& v_cache, double eps, bool validate) {
   const auto d = check_inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin,
                                          positions, slots, k_cache, v_cache, eps);
-  // Index values are checked on the host (one small copy): a bad slot must be an error,
-  // never a write outside the cache.
-  check_inject_indices(positions.cpu(), slots.cpu(), d.P, d.S);
+  TORCH_CHECK(d.D <= kInjectMaxHeadDim, "inject_context_kv on CUDA takes head dims up to ", kInjectMaxHeadDim,
+              ", got D=", d.D);
+  // validate: a bad slot is an error, not a skipped row (one small host copy).
+  if (validate) check_inject_indices(positions.cpu(), slots.cpu(), d.P, d.S);
   if (d.T == 0 || d.N == 0 || d.Hkv == 0 || d.D == 0) return;
   const c10::cuda::CUDAGuard guard(ctx.device());
   const auto x = ctx.contiguous(), kw = k_weight.contiguous(), vw = v_weight.contiguous();
@@ -147,29 +153,43 @@ void inject_context_kv_cuda(const at::Tensor& ctx, const at::Tensor& k_weight,
   p.Hkv = narrow(d.Hkv, "Hkv");
   p.D = narrow(d.D, "D");
   p.S = d.S;
+  p.P = d.P;
   p.eps = static_cast<float>(eps);
   p.dtype = dtype_of(ctx);
   const auto info = device_info(ctx.device());
   info.launchers->inject_context_kv_plan(p, info.limits);
+  at::Tensor workspace;
+  if (p.splits > 1) {
+    workspace = at::empty({p.splits, d.N * 2 * d.Hkv, d.T, d.D}, ctx.options().dtype(at::kFloat));
+    p.workspace = workspace.data_ptr<float>();
+  }
   info.launchers->inject_context_kv(p, c10::cuda::getCurrentCUDAStream());
 }
 
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
                                 const at::Tensor& v_block, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& cache_offsets,
-                                const at::Tensor& cache_lens, double scale, int64_t window) {
+                                const at::Tensor& cache_lens, double scale, int64_t window,
+                                int64_t max_context, bool validate) {
   const auto d = check_block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets,
-                                       cache_lens, scale, window);
-  const auto offsets_cpu = cache_offsets.cpu().contiguous(), lens_cpu = cache_lens.cpu().contiguous();
-  check_cache_ranges(offsets_cpu, lens_cpu, d.S);
+                                       cache_lens, scale, window, max_context);
+  // The split plan covers max_context visible rows: given, it is a static bound (a graph
+  // replayed over a growing context stays correct); else, validating, the longest visible
+  // context read on the host; else the whole cache.
+  int64_t planned = planned_context(max_context, window, d.S);
+  if (validate) {
+    const auto offsets_cpu = cache_offsets.cpu().contiguous(), lens_cpu = cache_lens.cpu().contiguous();
+    check_cache_ranges(offsets_cpu, lens_cpu, d.S, window, max_context);
+    if (max_context < 0) {
+      planned = 0;
+      const int64_t* lens = lens_cpu.data_ptr<int64_t>();
+      for (int64_t b = 0; b < d.Bsz; ++b) planned = std::max(planned, visible_context(lens[b], window));
+    }
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   const auto qc = q.contiguous(), kb = k_block.contiguous(), vb = v_block.contiguous();
   auto out = at::empty_like(qc);
   if (out.numel() == 0) return out;
-  int64_t max_keys = 0;
-  const int64_t* lens = lens_cpu.data_ptr<int64_t>();
-  for (int64_t b = 0; b < d.Bsz; ++b)
-    max_keys = std::max(max_keys, visible_context(lens[b], window) + d.Bq);
   const auto offs = cache_offsets.contiguous(), lns = cache_lens.contiguous();
   BlockAttentionParams p{};
   p.q = qc.data_ptr();
@@ -187,19 +207,22 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   p.D = narrow(d.D, "D");
   p.S = d.S;
   p.window = window;
-  p.max_keys = narrow(max_keys, "context + Bq keys per sequence");
+  p.max_context = planned;
+  p.max_keys = narrow(planned + d.Bq, "context + Bq keys per sequence");
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_of(q);
   const auto info = device_info(q.device());
   const bool tensor_cores = info.launchers->block_attention_plan(p, info.limits);
   TORCH_CHECK(tensor_cores || d.D <= kSimtMaxHeadDim, "block_attention on CUDA takes head dims up to ",
               kSimtMaxHeadDim, " (64 and 128 in bf16/fp16 on tensor cores), got D=", d.D);
-  at::Tensor partial_out, partial_lse;
+  at::Tensor partial_out, partial_lse, counters;
   if (p.splits > 1) {
     partial_out = at::empty({p.splits, d.Bsz, d.Bq, d.Hq, d.D}, q.options().dtype(at::kFloat));
     partial_lse = at::empty({p.splits, d.Bsz, d.Bq, d.Hq}, q.options().dtype(at::kFloat));
+    counters = at::zeros({p.tile_counter_count}, q.options().dtype(at::kInt));
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
+    p.tile_counters = counters.data_ptr<int>();
   }
   info.launchers->block_attention(p, c10::cuda::getCurrentCUDAStream());
   return out;

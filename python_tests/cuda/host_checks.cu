@@ -125,6 +125,9 @@ void check_plans() {
           CHECK(p.keys_per_split % kAttnBN == 0, "keys_per_split %d not a multiple of %d", p.keys_per_split, kAttnBN);
           CHECK(int64_t(p.splits) * p.keys_per_split >= p.max_keys, "splits do not cover %lld keys", (long long)p.max_keys);
           CHECK(int64_t(p.splits - 1) * p.keys_per_split < p.max_keys, "a split starts past %lld keys", (long long)p.max_keys);
+          CHECK(p.splits == 1 || p.keys_per_split >= kAttnMinKeysPerSplit, "a split of %d keys", p.keys_per_split);
+          CHECK(p.tile_counter_count == int64_t(bsz) * p.Hkv * ((bq * 4 + kAttnBM - 1) / kAttnBM),
+                "tile counters %lld", (long long)p.tile_counter_count);
         }
   // block_attention: path choice
   auto attention_tc = [](DType dtype, int D, uintptr_t q, const DeviceLimits& dev) {
@@ -168,6 +171,17 @@ void check_plans() {
   q.ctx = q.k_weight = q.v_weight = fake_ptr(0x10000);
   q.T = 16; q.H = 4096; q.N = 5; q.Hkv = 8; q.D = 128; q.dtype = DType::kBFloat16;
   CHECK(inject_context_kv_plan(q, h200), "inject bf16 D=128 should take tensor cores");
+  for (const DeviceLimits& dev : {h200, tiny})
+    for (int T : {1, 16, 4096})
+      for (int H : {576, 4096}) {
+        q.T = T; q.H = H;
+        CHECK(inject_context_kv_plan(q, dev), "inject bf16 H=%d should take tensor cores", H);
+        const int k_tiles = (H + kGemmBK - 1) / kGemmBK;
+        CHECK(q.splits >= 1 && q.splits * q.k_tiles_per_split >= k_tiles &&
+              (q.splits - 1) * q.k_tiles_per_split < k_tiles, "inject split-K %d x %d over %d tiles", q.splits,
+              q.k_tiles_per_split, k_tiles);
+      }
+  q.T = 16; q.H = 4096;
   q.D = 96;
   CHECK(!inject_context_kv_plan(q, h200), "inject D=96 must take the SIMT path");
   q.D = 64; q.H = 100;

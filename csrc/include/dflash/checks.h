@@ -20,12 +20,15 @@ InjectDims check_inject_context_kv(const at::Tensor& ctx, const at::Tensor& k_we
 BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& k_block,
                                          const at::Tensor& v_block, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& cache_offsets,
-                                         const at::Tensor& cache_lens, double scale, int64_t window);
+                                         const at::Tensor& cache_lens, double scale, int64_t window,
+                                         int64_t max_context);
 
 // Value checks (host tensors): positions in [0, P), slots in [-1, S) and unique.
 void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu,
                           int64_t P, int64_t S);
-// Value checks (host tensors): offsets >= 0, lens >= 0, offset + len <= S.
-void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S);
+// Value checks (host tensors): offsets >= 0, lens >= 0, offset + len <= S, and the
+// visible context (the last `window` rows, 0 = all) at most max_context (>= 0 only).
+void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
+                        int64_t max_context);
 
 }  // namespace dflash

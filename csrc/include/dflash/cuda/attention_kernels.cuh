@@ -2,8 +2,9 @@
 // to that sequence's visible context in the cache followed by its own Bq block keys.
 //   - GQA packing: the Bq x group query rows that share a KV head form the M dimension
 //     (16 x 4 = 64 rows = one wgmma warpgroup), so each K/V tile is read once per KV head.
-//   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp
-//     and block_attention_combine merges them (splits == 1 writes the output directly).
+//   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp,
+//     and the last split CTA of each (sequence, KV head, row tile) to finish, found by an
+//     atomic counter, merges them (splits == 1 writes the output directly; no second launch).
 //   - Online softmax in registers, log2 domain: each thread owns two rows of the S and O
 //     accumulators, shared with the other lanes of its quad (quad shuffles reduce a row);
 //     P goes back to shared memory as the A operand of P*V (V is read MN-major).
@@ -43,6 +44,49 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// Split-KV merge, run by every split CTA when it is done: the one that finishes last for
+// its tile (the counter reaches splits - 1) merges the tile's rows over all splits,
+// out = sum_s exp(lse_s - max) O_s / sum_s exp(lse_s - max) (partials are normalized by
+// their own l), and resets the counter for the next launch or graph replay. Partials are
+// read through L2 (__ldcg): other CTAs wrote them, and L1 is not coherent.
+template <class T, int D, class RowIndex>
+__device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, int rows, const RowIndex& row_index) {
+  __shared__ int is_last;
+  __shared__ float row_max[kAttnBM], row_inv[kAttnBM];
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.tile_counters + blockIdx.x * gridDim.y + blockIdx.y;
+    is_last = atomicAdd(counter, 1) == p.splits - 1;
+    if (is_last) *counter = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int64_t plane = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;  // rows of one split
+  for (int r = threadIdx.x; r < kAttnBM; r += kTileThreads) {
+    if (r0 + r >= rows) continue;
+    const int64_t row = row_index(r);
+    float m = -INFINITY, denom = 0.f;
+    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, __ldcg(p.partial_lse + s * plane + row));
+    for (int s = 0; s < p.splits; ++s) denom += expf(__ldcg(p.partial_lse + s * plane + row) - m);
+    row_max[r] = m;
+    row_inv[r] = 1.f / denom;  // > 0: the split holding the block keys is never empty
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < kAttnBM * D; c += kTileThreads) {
+    const int r = c / D, d = c % D;
+    if (r0 + r >= rows) continue;
+    const int64_t row = row_index(r);
+    float acc = 0.f;
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = expf(__ldcg(p.partial_lse + s * plane + row) - row_max[r]);
+      if (w > 0.f) acc += w * __ldcg(p.partial_out + (s * plane + row) * D + d);
+    }
+    static_cast<T*>(p.out)[row * D + d] = from_float<T>(acc * row_inv[r]);
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kTileThreads)
 block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
@@ -69,10 +113,11 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   const int key_begin = split * p.keys_per_split;
   const int key_end = min(keys.total, key_begin + p.keys_per_split);
   // Packed row r of this tile is query i = (r0 + r) / group of q head kvh * group + (r0 + r) % group.
-  auto q_row_offset = [&](int r) -> int64_t {
+  auto row_index = [&](int r) -> int64_t {  // the (b, i, h) row of out
     const int pr = r0 + r;
-    return ((static_cast<int64_t>(b) * p.Bq + pr / group) * p.Hq + kvh * group + pr % group) * D;
+    return (static_cast<int64_t>(b) * p.Bq + pr / group) * p.Hq + kvh * group + pr % group;
   };
+  auto q_row_offset = [&](int r) -> int64_t { return row_index(r) * D; };
 
   const T* q = static_cast<const T*>(p.q);
   const T* k_cache = static_cast<const T*>(p.k_cache);
@@ -99,10 +144,11 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   const int64_t split_base = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq;  // partial rows
   if (key_begin >= key_end) {  // an empty split (splits > 1): it adds nothing to the combine
     for (int r = tid; r < BM && r0 + r < rows; r += kTileThreads) {
-      const int64_t row = split_base + q_row_offset(r) / D;
+      const int64_t row = split_base + row_index(r);
       p.partial_lse[row] = -INFINITY;
       for (int d = 0; d < D; ++d) p.partial_out[row * D + d] = 0.f;
     }
+    combine_splits_if_last<T, D>(p, r0, rows, row_index);
     return;
   }
 
@@ -183,29 +229,10 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     CUTE_UNROLL
     for (int j = 0; j < 2; ++j) {
       const int r = attn_first_row(tid) + 8 * j;
-      if (r0 + r < rows) p.partial_lse[split_base + q_row_offset(r) / D] = m_run[j] / kLog2e + logf(l_run[j]);
+      if (r0 + r < rows) p.partial_lse[split_base + row_index(r)] = m_run[j] / kLog2e + logf(l_run[j]);
     }
   }
-}
-
-// out[row] = sum_s exp(lse_s - max) * O_s / sum_s exp(lse_s - max), one block per
-// (b, i, h) row; the partial outputs are already normalized by their own l.
-template <class T>
-__global__ void block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
-  const int64_t row = blockIdx.x;
-  const int64_t rows = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;
-  float lse_max = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) lse_max = fmaxf(lse_max, p.partial_lse[s * rows + row]);
-  float denom = 0.f;
-  for (int s = 0; s < p.splits; ++s) denom += expf(p.partial_lse[s * rows + row] - lse_max);
-  for (int d = threadIdx.x; d < p.D; d += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < p.splits; ++s) {
-      const float w = expf(p.partial_lse[s * rows + row] - lse_max);
-      if (w > 0.f) acc += w * p.partial_out[(s * rows + row) * p.D + d];
-    }
-    static_cast<T*>(p.out)[row * p.D + d] = from_float<T>(acc / denom);
-  }
+  if (p.splits > 1) combine_splits_if_last<T, D>(p, r0, rows, row_index);
 }
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

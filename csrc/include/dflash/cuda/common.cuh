@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -17,7 +18,7 @@
 // Each .cu file includes the kernel headers once for one architecture and names that
 // architecture's namespace here, so the kernels of different files never share a symbol.
 #ifndef DFLASH_ARCH_NS
-#error "define DFLASH_ARCH_NS (sm80, sm90a, sm100a) before including the dflash CUDA kernels"
+#error "define DFLASH_ARCH_NS (sm80, sm90a, sm100) before including the dflash CUDA kernels"
 #endif
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
@@ -29,15 +30,37 @@ inline void check_launch(const char* what) {
                              cudaGetErrorString(err));
 }
 
-inline void set_smem_limit(const void* kernel, int bytes, const char* what) {
-  if (bytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("dflash_ext: ") + what + " needs " +
-                               std::to_string(bytes) + " bytes of shared memory: " +
-                               cudaGetErrorString(err));
+// Per-device, once-per-kernel launch set-up: raises the kernel's dynamic shared-memory
+// limit (above 48 KiB it must be opted into) and returns how many CTAs of `threads`
+// threads and `smem` bytes stay resident per SM (the occupancy the split plans size the
+// grid from). Cached per (kernel, device): cudaFuncSetAttribute once, not on every call.
+// Where no device answers (the host checks build these plans without a GPU) it counts 1.
+template <auto Kernel>
+int prepare_kernel(int threads, int smem, const char* what) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0 = not prepared yet on that device
+  int devices = 0, device = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaGetDevice(&device) != cudaSuccess ||
+      device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();  // clear the (non-sticky) error of the failed query
+    return 1;
   }
+  if (const int known = cached[device].load(std::memory_order_relaxed)) return known;
+  const void* fn = reinterpret_cast<const void*>(Kernel);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("dflash_ext: ") + what + " needs " + std::to_string(smem) +
+                               " bytes of shared memory: " + cudaGetErrorString(err));
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    per_sm = 1;
+  }
+  per_sm = per_sm < 1 ? 1 : per_sm;
+  cached[device].store(per_sm, std::memory_order_relaxed);
+  return per_sm;
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
@@ -87,9 +110,12 @@ struct KeyRange {
   int n_ctx, total;
 };
 
+// The index guards (params.h): the range is clamped to the cache and to the planned
+// context, so that no key outside k_cache is read even when validation is off.
 __device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
-  const int64_t off = p.cache_offsets[b], n = p.cache_lens[b];
-  const int64_t visible = visible_context(n, p.window);
+  const int64_t off = min(max(p.cache_offsets[b], int64_t(0)), p.S);
+  const int64_t n = min(max(p.cache_lens[b], int64_t(0)), p.S - off);
+  const int64_t visible = min(visible_context(n, p.window), p.max_context);
   return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
 }
 

@@ -6,10 +6,15 @@
 //     splits and applies the RMSNorm over H_out (simt_kernels.cuh, shared with the SIMT path);
 //   - inject_context_kv: one launch for all layers; each CTA owns one (layer, k|v, head)
 //     N-tile of width D, so its epilogue applies the per-head k RMSNorm and RoPE and
-//     scatters the rows into k_cache / v_cache by `slots`.
+//     scatters the rows into k_cache / v_cache by `slots`. Few tokens give few CTAs, so
+//     the plan may split K (grid.z): the splits then write fp32 partials and a finalize
+//     pass (simt_kernels.cuh) adds them before the same epilogue sees the full sum.
+//     Rows of skipped tokens (slot -1, or a bad index with validation off) are not read
+//     (zero filled), and a tile with no written row does no work.
 // Requirements (checked by the plan functions, else the SIMT path runs): bf16/fp16,
 // H % 8 == 0 (16-byte chunks never straddle a feature segment), 16-byte aligned bases.
 #pragma once
+#include "dflash/cuda/simt_kernels.cuh"
 #include "dflash/cuda/tile_gemm.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
@@ -125,60 +130,47 @@ inject_context_kv_tc_kernel(const __grid_constant__ InjectParams p) {
   const bool is_v = (blockIdx.y % (2 * p.Hkv)) >= p.Hkv;
   const int head = blockIdx.y % p.Hkv;
   const int m0 = blockIdx.x * BM;
+  bool any_row = false;
+  for (int r = threadIdx.x; r < BM; r += kTileThreads) any_row |= m0 + r < p.T && inject_row_valid(p, m0 + r);
+  if (!__syncthreads_or(any_row)) return;  // nothing to write (with splits > 1 the finalize skips these rows too)
   const T* w = static_cast<const T*>(is_v ? p.v_weight : p.k_weight) +
                (static_cast<int64_t>(layer) * p.Hkv + head) * D * p.H;
   const T* ctx = static_cast<const T*>(p.ctx);
   auto a_src = [&](int r, int kk) -> const void* {
     const int t = m0 + r;
-    return (t < p.T && kk < p.H) ? ctx + static_cast<int64_t>(t) * p.H + kk : nullptr;
+    return (t < p.T && kk < p.H && inject_row_valid(p, t)) ? ctx + static_cast<int64_t>(t) * p.H + kk : nullptr;
   };
   auto b_src = [&](int r, int kk) -> const void* {
     return kk < p.H ? w + static_cast<int64_t>(r) * p.H + kk : nullptr;
   };
+  const int kt_total = (p.H + kGemmBK - 1) / kGemmBK;
+  const int kt_begin = blockIdx.z * p.k_tiles_per_split;
+  const int kt_end = min(kt_total, kt_begin + p.k_tiles_per_split);
   auto acc = Gemm::make_acc();
-  weight_stream_mainloop<Gemm, T, BM, D>(acc, a_src, b_src, w, 0, (p.H + kGemmBK - 1) / kGemmBK, smem);
+  weight_stream_mainloop<Gemm, T, BM, D>(acc, a_src, b_src, w, kt_begin, kt_end, smem);
+  auto coords = Gemm::acc_coords(threadIdx.x);
+
+  if (p.splits > 1) {  // fp32 partials [split][layer, k|v, head][T][D]; the finalize pass does the rest
+    float* ws = p.workspace + ((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * p.T) * D;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int t = m0 + get<0>(coords(i));
+      if (t < p.T) ws[static_cast<int64_t>(t) * D + get<1>(coords(i))] = acc(i);
+    }
+    return;
+  }
 
   // Epilogue: the fp32 tile goes through shared memory so that a warp owns whole rows
   // (RMSNorm needs the row sum; RoPE pairs column d with d +- D/2).
   constexpr int kStride = D + 4;
   float* tile = reinterpret_cast<float*>(smem_raw);
-  auto coords = Gemm::acc_coords(threadIdx.x);
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) tile[get<0>(coords(i)) * kStride + get<1>(coords(i))] = acc(i);
   __syncthreads();
-
-  constexpr int kPerLane = D / 32;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  T* cache = static_cast<T*>(is_v ? p.v_cache : p.k_cache);
-  const T* norm_w = static_cast<const T*>(p.k_norm_weight) + static_cast<int64_t>(layer) * D;
-  for (int r = warp; r < BM; r += kTileThreads / 32) {
+  for (int r = threadIdx.x / 32; r < BM; r += kTileThreads / 32) {
     const int t = m0 + r;
     if (t >= p.T) break;
-    const int64_t slot = p.slots[t];
-    if (slot < 0) continue;
-    T* dst = cache + ((static_cast<int64_t>(layer) * p.S + slot) * p.Hkv + head) * D;
-    const float* x = tile + r * kStride;
-    if (is_v) {
-      CUTE_UNROLL
-      for (int j = 0; j < kPerLane; ++j) dst[lane + 32 * j] = from_float<T>(x[lane + 32 * j]);
-      continue;
-    }
-    float ss = 0.f;
-    CUTE_UNROLL
-    for (int j = 0; j < kPerLane; ++j) ss += x[lane + 32 * j] * x[lane + 32 * j];
-    const float inv = rsqrtf(warp_sum(ss) / D + p.eps);
-    const int64_t pos = p.positions[t];
-    const T* cos_row = static_cast<const T*>(p.cos) + pos * D;
-    const T* sin_row = static_cast<const T*>(p.sin) + pos * D;
-    CUTE_UNROLL
-    for (int j = 0; j < kPerLane; ++j) {
-      const int d = lane + 32 * j;
-      const int pd = d < D / 2 ? d + D / 2 : d - D / 2;  // rotate_half partner
-      const float xd = x[d] * inv * to_float(norm_w[d]);
-      const float xp = x[pd] * inv * to_float(norm_w[pd]);
-      const float rot = d < D / 2 ? -xp : xp;
-      dst[d] = from_float<T>(xd * to_float(cos_row[d]) + rot * to_float(sin_row[d]));
-    }
+    if (inject_row_valid(p, t)) store_kv_row<T>(p, layer, is_v, head, t, tile + r * kStride);
   }
 }
 

@@ -1,12 +1,23 @@
 // Host side of block_attention for one architecture: kernel choice, split-KV plan, launch.
 #pragma once
 #include "dflash/cuda/attention_kernels.cuh"
+#include "dflash/cuda/plans.h"
 #include "dflash/cuda/simt_kernels.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
 
-inline constexpr int kAttnMaxSplits = 256;
+template <class T, int D>
+int attention_tc_ctas_per_sm() {
+  return prepare_kernel<&block_attention_tc_kernel<T, D>>(kTileThreads, attention_smem_bytes<D>(sizeof(T)),
+                                                         "block_attention");
+}
 
+inline int attention_row_tiles(const BlockAttentionParams& p) {
+  return ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM);
+}
+
+// Sets p.splits / p.keys_per_split from p.max_keys (a static bound: the plan reads no
+// index value) and returns whether the tensor-core kernel runs.
 bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
   const int smem = p.D == 64 ? attention_smem_bytes<64>(2) : attention_smem_bytes<128>(2);
   const bool tc = p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && aligned16(p.q) &&
@@ -14,32 +25,30 @@ bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
                   aligned16(p.v_cache) && smem <= dev.max_smem_per_block;
   p.tensor_cores = tc;
   p.splits = 1;
+  p.tile_counter_count = 0;
   p.keys_per_split = static_cast<int>(std::min<int64_t>(p.max_keys, INT32_MAX));
   if (!tc) return false;
-  // Few (sequence, KV head, row tile) CTAs and long contexts: split the keys until the
-  // grid fills the SMs twice.
-  const int64_t ctas = static_cast<int64_t>(p.Bsz) * p.Hkv * ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM);
-  const int key_tiles = ceil_div(p.max_keys, kAttnBN);
-  const int want = static_cast<int>(std::clamp<int64_t>((2 * dev.num_sms + ctas - 1) / ctas, 1,
-                                                        std::min(key_tiles, kAttnMaxSplits)));
-  p.keys_per_split = ceil_div(key_tiles, want) * kAttnBN;
-  p.splits = ceil_div(p.max_keys, p.keys_per_split);
+  int per_sm = 1;
+  auto occupancy = [&]<class T>() {
+    if constexpr (!std::is_same_v<T, float>)
+      per_sm = p.D == 64 ? attention_tc_ctas_per_sm<T, 64>() : attention_tc_ctas_per_sm<T, 128>();
+  };
+  dispatch_all_types(p.dtype, occupancy);
+  const int64_t ctas = static_cast<int64_t>(p.Bsz) * p.Hkv * attention_row_tiles(p);
+  p.tile_counter_count = ctas;
+  const SplitPlan plan = attention_split_plan(ctas, p.max_keys, kAttnBN, static_cast<int64_t>(dev.num_sms) * per_sm);
+  p.splits = plan.splits;
+  p.keys_per_split = plan.units_per_split * kAttnBN;
   return true;
 }
 
 template <class T, int D>
 void launch_attention_tc(const BlockAttentionParams& p, cudaStream_t stream) {
   constexpr int smem = attention_smem_bytes<D>(sizeof(T));
-  auto* kernel = &block_attention_tc_kernel<T, D>;
-  set_smem_limit(reinterpret_cast<const void*>(kernel), smem, "block_attention");
-  const dim3 grid(p.Bsz * p.Hkv, ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM), p.splits);
-  kernel<<<grid, kTileThreads, smem, stream>>>(p);
+  attention_tc_ctas_per_sm<T, D>();  // the shared-memory opt-in (once per device)
+  const dim3 grid(p.Bsz * p.Hkv, attention_row_tiles(p), p.splits);
+  block_attention_tc_kernel<T, D><<<grid, kTileThreads, smem, stream>>>(p);
   check_launch("block_attention_tc_kernel");
-  if (p.splits > 1) {
-    const int64_t rows = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;
-    block_attention_combine_kernel<T><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
-    check_launch("block_attention_combine_kernel");
-  }
 }
 
 void block_attention(const BlockAttentionParams& p, cudaStream_t stream) {

@@ -1,14 +1,19 @@
 // Host side of project_features for one architecture: kernel choice, split-K plan, launch.
 #pragma once
 #include "dflash/cuda/gemm_kernels.cuh"
+#include "dflash/cuda/plans.h"
 #include "dflash/cuda/simt_kernels.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
 
 inline constexpr int kProjectBN = 128;
-inline constexpr int kProjectMinKTilesPerSplit = 4;
 
 inline constexpr int kProjectSmemBytes = weight_stream_smem_bytes<kGemmBM, kProjectBN>(2);  // 16-bit only
+
+template <class T>
+int project_tc_ctas_per_sm() {
+  return prepare_kernel<&project_features_tc_kernel<T, kProjectBN>>(kTileThreads, kProjectSmemBytes, "project_features");
+}
 
 bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev) {
   bool tc = p.dtype != DType::kFloat32 && p.H % 8 == 0 && aligned16(p.fc_weight) &&
@@ -18,14 +23,18 @@ bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev) {
   p.k_tiles_per_split = 0;
   p.tensor_cores = tc;
   if (!tc) return false;
-  // T <= 16 leaves few output tiles: split K until the grid fills the SMs twice, keeping
-  // each split long enough to stream its weights efficiently.
+  // T <= 16 leaves few output tiles: split K until the grid fills one wave of resident
+  // CTAs (SMs x occupancy), each split streaming enough K tiles of the weight.
+  int per_sm = 1;
+  auto occupancy = [&]<class T>() {
+    if constexpr (!std::is_same_v<T, float>) per_sm = project_tc_ctas_per_sm<T>();
+  };
+  dispatch_all_types(p.dtype, occupancy);
   const int tiles = ceil_div(p.H_out, kProjectBN) * ceil_div(p.T, kGemmBM);
   const int k_tiles = ceil_div(static_cast<int64_t>(p.k) * p.H, kGemmBK);
-  const int max_splits = std::max(1, k_tiles / kProjectMinKTilesPerSplit);
-  const int want = std::min(max_splits, std::max(1, ceil_div(2 * dev.num_sms, tiles)));
-  p.k_tiles_per_split = std::max(1, ceil_div(k_tiles, want));
-  p.splits = std::max(1, ceil_div(k_tiles, p.k_tiles_per_split));
+  const SplitPlan plan = gemm_split_plan(tiles, k_tiles, static_cast<int64_t>(dev.num_sms) * per_sm);
+  p.splits = plan.splits;
+  p.k_tiles_per_split = plan.units_per_split;
   return true;
 }
 
@@ -33,10 +42,9 @@ void project_features(const ProjectFeaturesParams& p, cudaStream_t stream) {
   auto partial_sums = [&]<class T>() {  // into p.workspace
     if constexpr (!std::is_same_v<T, float>) {
       if (p.tensor_cores) {
-        auto* kernel = &project_features_tc_kernel<T, kProjectBN>;
-        set_smem_limit(reinterpret_cast<const void*>(kernel), kProjectSmemBytes, "project_features");
+        project_tc_ctas_per_sm<T>();  // the shared-memory opt-in (once per device)
         const dim3 grid(ceil_div(p.T, kGemmBM), ceil_div(p.H_out, kProjectBN), p.splits);
-        kernel<<<grid, kTileThreads, kProjectSmemBytes, stream>>>(p);
+        project_features_tc_kernel<T, kProjectBN><<<grid, kTileThreads, kProjectSmemBytes, stream>>>(p);
         check_launch("project_features_tc_kernel");
         return;
       }
@@ -47,7 +55,8 @@ void project_features(const ProjectFeaturesParams& p, cudaStream_t stream) {
   };
   auto run = [&]<class T>() {
     partial_sums.template operator()<T>();
-    project_features_finalize_kernel<T><<<p.T, kSimtThreads, 0, stream>>>(p);
+    const int cached_bytes = p.H_out <= kFinalizeCachedCols ? p.H_out * static_cast<int>(sizeof(float)) : 0;
+    project_features_finalize_kernel<T><<<p.T, kSimtThreads, cached_bytes, stream>>>(p);
     check_launch("project_features_finalize_kernel");
   };
   dispatch_all_types(p.dtype, run);

@@ -16,6 +16,12 @@ struct DeviceLimits {
   int max_smem_per_block;  // opt-in maximum of dynamic shared memory, bytes
 };
 
+// Index guards with validation off (validate=False: no host copy checked the values):
+// the kernels never read or write outside a tensor. A token whose slot is outside [0, S)
+// or whose position is outside [0, P) is skipped (nothing written); a context range is
+// clamped to the cache (offset to [0, S], length to [0, S - offset]) and to the planned
+// context (block_attention's max_context); repeated slots write one of their rows.
+
 // project_features: out = rms_norm(concat(features) @ fc_weight^T) * norm_weight.
 inline constexpr int kMaxFeatures = 16;  // more are concatenated on the host first
 struct ProjectFeaturesParams {
@@ -31,9 +37,13 @@ struct ProjectFeaturesParams {
   float eps;
   DType dtype;
 };
+// project_features_finalize keeps a row of up to this many outputs in shared memory, so
+// that it adds the splits once (a longer row adds them twice).
+inline constexpr int kFinalizeCachedCols = 11 * 1024;  // 44 KiB: under the 48 KiB needing no opt-in
 
 // inject_context_kv: for every layer n, token t with slots[t] >= 0:
 // k_cache[n, slots[t]] = rope(rms_norm(ctx[t] @ k_weight[n]^T per head)), v_cache likewise.
+inline constexpr int kInjectMaxHeadDim = 8192;  // D fp32 values in shared memory, under 48 KiB
 struct InjectParams {
   const void* ctx;            // [T, H]
   const void* k_weight;       // [N, Hkv*D, H]
@@ -45,11 +55,14 @@ struct InjectParams {
   const int64_t* slots;       // [T] in [-1, S), -1 = skip
   void* k_cache;              // [N, S, Hkv, D]
   void* v_cache;              // [N, S, Hkv, D]
+  float* workspace;           // [splits, N * 2 * Hkv, T, D] fp32 partial sums (splits > 1)
   int T, H, N, Hkv, D;
-  int64_t S;
+  int64_t S, P;
   float eps;
   DType dtype;
-  bool tensor_cores;  // set by the plan: tensor-core kernel, else the SIMT path
+  bool tensor_cores;      // set by the plan: tensor-core kernel, else the SIMT path
+  int splits;             // split-K factor (set by the plan; > 1: a finalize pass does the epilogue)
+  int k_tiles_per_split;  // K tiles each split reduces
 };
 
 // block_attention: per sequence b the keys are k_cache[start : off+len] ++ k_block[b].
@@ -72,12 +85,15 @@ struct BlockAttentionParams {
   void* out;            // [Bsz, Bq, Hq, D]
   float* partial_out;   // [splits, Bsz, Bq, Hq, D] fp32 (splits > 1)
   float* partial_lse;   // [splits, Bsz, Bq, Hq]
+  int* tile_counters;   // [Bsz * Hkv * row tiles], zeroed: the last split CTA of a tile combines
   int Bsz, Bq, Hq, Hkv, D;
   int64_t S;
   int64_t window;       // 0 = whole context
-  int64_t max_keys;     // max over b of (visible context + Bq)
+  int64_t max_context;  // the planned bound of visible context rows (a sequence sees at most these)
+  int64_t max_keys;     // max_context + Bq
   int splits;           // split-KV factor, 1 = write `out` directly (set by the plan)
   int keys_per_split;   // a multiple of the kernel's key tile (set by the plan)
+  int64_t tile_counter_count;  // ints p.tile_counters needs when splits > 1 (set by the plan)
   bool tensor_cores;    // set by the plan: tensor-core kernel, else the SIMT path
   float scale;
   DType dtype;
@@ -99,6 +115,6 @@ struct BlockAttentionParams {
 
 DFLASH_DECLARE_ARCH_LAUNCHERS(sm80)
 DFLASH_DECLARE_ARCH_LAUNCHERS(sm90a)
-DFLASH_DECLARE_ARCH_LAUNCHERS(sm100a)
+DFLASH_DECLARE_ARCH_LAUNCHERS(sm100)
 
 }  // namespace dflash::cuda

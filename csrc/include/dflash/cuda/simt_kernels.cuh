@@ -41,11 +41,14 @@ project_features_simt_kernel(const __grid_constant__ ProjectFeaturesParams p) {
 }
 
 // out[t] = rms_norm(sum of the split-K partial rows) * norm_weight; one block per row.
-// Shared by the tensor-core and SIMT paths.
+// Shared by the tensor-core and SIMT paths. A row of up to kFinalizeCachedCols outputs is
+// kept in shared memory (launched with H_out floats of it), so the splits are added once.
 template <class T>
 __global__ void __launch_bounds__(kSimtThreads)
 project_features_finalize_kernel(const __grid_constant__ ProjectFeaturesParams p) {
+  extern __shared__ float row_cache[];  // [H_out] when cached
   __shared__ float warp_ss[kSimtThreads / 32];
+  const bool cached = p.H_out <= kFinalizeCachedCols;
   const int64_t t = blockIdx.x, plane = static_cast<int64_t>(p.T) * p.H_out;
   const float* ws = p.workspace + t * p.H_out;
   auto y_at = [&](int n) {
@@ -56,6 +59,7 @@ project_features_finalize_kernel(const __grid_constant__ ProjectFeaturesParams p
   float ss = 0.f;
   for (int n = threadIdx.x; n < p.H_out; n += kSimtThreads) {
     const float y = y_at(n);
+    if (cached) row_cache[n] = y;  // read back by this same thread below
     ss += y * y;
   }
   ss = warp_sum(ss);
@@ -68,18 +72,52 @@ project_features_finalize_kernel(const __grid_constant__ ProjectFeaturesParams p
   const T* nw = static_cast<const T*>(p.norm_weight);
   T* out = static_cast<T*>(p.out) + t * p.H_out;
   for (int n = threadIdx.x; n < p.H_out; n += kSimtThreads)
-    out[n] = from_float<T>(y_at(n) * inv * to_float(nw[n]));
+    out[n] = from_float<T>((cached ? row_cache[n] : y_at(n)) * inv * to_float(nw[n]));
+}
+
+// inject_context_kv's index guard (params.h): token t is written only where its slot is
+// in [0, S) and its position in [0, P); -1 (skip) and, with validation off, bad values
+// write nothing.
+__device__ __forceinline__ bool inject_row_valid(const InjectParams& p, int t) {
+  const int64_t slot = p.slots[t], pos = p.positions[t];
+  return slot >= 0 && slot < p.S && pos >= 0 && pos < p.P;
+}
+
+// The inject epilogue of one (layer, k|v, head) row of token t, by one warp, from its D
+// fp32 projections x (shared memory): V as it is, K RMS-normed with k_norm_weight and
+// rotated (rotate_half RoPE at positions[t]). Shared by every inject kernel.
+template <class T>
+__device__ void store_kv_row(const InjectParams& p, int layer, bool is_v, int head, int t, const float* x) {
+  const int lane = threadIdx.x % 32, D = p.D;
+  T* dst = static_cast<T*>(is_v ? p.v_cache : p.k_cache) +
+           ((static_cast<int64_t>(layer) * p.S + p.slots[t]) * p.Hkv + head) * D;
+  if (is_v) {
+    for (int d = lane; d < D; d += 32) dst[d] = from_float<T>(x[d]);
+    return;
+  }
+  float ss = 0.f;
+  for (int d = lane; d < D; d += 32) ss += x[d] * x[d];
+  const float inv = rsqrtf(warp_sum(ss) / D + p.eps);
+  const T* nw = static_cast<const T*>(p.k_norm_weight) + static_cast<int64_t>(layer) * D;
+  const int64_t pos = p.positions[t];
+  const T* cos_row = static_cast<const T*>(p.cos) + pos * D;
+  const T* sin_row = static_cast<const T*>(p.sin) + pos * D;
+  for (int d = lane; d < D; d += 32) {
+    const int pd = d < D / 2 ? d + D / 2 : d - D / 2;  // rotate_half partner
+    const float xd = x[d] * inv * to_float(nw[d]);
+    const float xp = x[pd] * inv * to_float(nw[pd]);
+    dst[d] = from_float<T>(xd * to_float(cos_row[d]) + (d < D / 2 ? -xp : xp) * to_float(sin_row[d]));
+  }
 }
 
 // One block per (token, layer, k|v, head): the warps compute the D projections into
-// shared memory, then warp 0 normalizes, rotates and writes the cache row.
+// shared memory, then warp 0 writes the cache row.
 template <class T>
 __global__ void __launch_bounds__(kSimtThreads)
 inject_context_kv_simt_kernel(const __grid_constant__ InjectParams p) {
   extern __shared__ float y[];  // [D]
   const int t = blockIdx.x;
-  const int64_t slot = p.slots[t];
-  if (slot < 0) return;
+  if (!inject_row_valid(p, t)) return;
   const int layer = blockIdx.y / (2 * p.Hkv);
   const bool is_v = (blockIdx.y % (2 * p.Hkv)) >= p.Hkv;
   const int head = blockIdx.y % p.Hkv, D = p.D;
@@ -94,26 +132,26 @@ inject_context_kv_simt_kernel(const __grid_constant__ InjectParams p) {
     if (lane == 0) y[d] = acc;
   }
   __syncthreads();
-  if (warp != 0) return;
-  T* dst = static_cast<T*>(is_v ? p.v_cache : p.k_cache) +
-           ((static_cast<int64_t>(layer) * p.S + slot) * p.Hkv + head) * D;
-  if (is_v) {
-    for (int d = lane; d < D; d += 32) dst[d] = from_float<T>(y[d]);
-    return;
+  if (warp == 0) store_kv_row<T>(p, layer, is_v, head, t, y);
+}
+
+// Split-K inject (splits > 1): adds the fp32 partial projections of one (token, layer,
+// k|v, head) row over the splits, then the same epilogue. One warp per block.
+template <class T>
+__global__ void __launch_bounds__(32)
+inject_context_kv_finalize_kernel(const __grid_constant__ InjectParams p) {
+  extern __shared__ float y[];  // [D]
+  const int t = blockIdx.x, row = blockIdx.y;
+  if (!inject_row_valid(p, t)) return;
+  const int64_t plane = static_cast<int64_t>(gridDim.y) * p.T * p.D;  // one split's partials
+  const float* ws = p.workspace + (static_cast<int64_t>(row) * p.T + t) * p.D;
+  for (int d = threadIdx.x; d < p.D; d += 32) {
+    float acc = 0.f;
+    for (int s = 0; s < p.splits; ++s) acc += ws[s * plane + d];
+    y[d] = acc;
   }
-  float ss = 0.f;
-  for (int d = lane; d < D; d += 32) ss += y[d] * y[d];
-  const float inv = rsqrtf(warp_sum(ss) / D + p.eps);
-  const T* nw = static_cast<const T*>(p.k_norm_weight) + static_cast<int64_t>(layer) * D;
-  const int64_t pos = p.positions[t];
-  const T* cos_row = static_cast<const T*>(p.cos) + pos * D;
-  const T* sin_row = static_cast<const T*>(p.sin) + pos * D;
-  for (int d = lane; d < D; d += 32) {
-    const int pd = d < D / 2 ? d + D / 2 : d - D / 2;
-    const float xd = y[d] * inv * to_float(nw[d]);
-    const float xp = y[pd] * inv * to_float(nw[pd]);
-    dst[d] = from_float<T>(xd * to_float(cos_row[d]) + (d < D / 2 ? -xp : xp) * to_float(sin_row[d]));
-  }
+  __syncwarp();
+  store_kv_row<T>(p, row / (2 * p.Hkv), (row % (2 * p.Hkv)) >= p.Hkv, row % p.Hkv, t, y);
 }
 
 // One warp per (sequence, query, q head): online softmax over the keys, D <= 256.

@@ -1,4 +1,0 @@
-// project_features compiled for sm100a only (setup.py reads the arch from the file name).
-#define DFLASH_ARCH_NS sm100a
-#define DFLASH_USE_WGMMA 0
-#include "dflash/cuda/launch_project_features.cuh"

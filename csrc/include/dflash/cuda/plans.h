@@ -1,0 +1,69 @@
+// Launch-plan rules of the CUDA kernels as pure host functions (no CUDA headers), so that
+// the CPU build links them too and python_tests/test_cuda_plans.py checks them on any
+// machine (through dflash_ext._C._cuda_plan). The per-architecture plan functions
+// (launch_*.cuh) call these with their own tile sizes and the occupancy they measured.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+namespace dflash::cuda {
+
+struct SplitPlan {
+  int splits;          // CTAs along the split dimension (>= 1)
+  int units_per_split; // work units (K tiles, key tiles) each split covers (>= 1)
+};
+
+// Splits `units` work units of each of `ctas` independent CTAs so that the grid fills one
+// wave (`wave` = SMs x resident CTAs per SM), with at least `min_units` units per split
+// (a shorter split moves more partial-sum bytes than it saves) and at most `max_splits`
+// splits. A grid that already fills the wave is not split. Every unit is covered exactly
+// once and no split is empty.
+inline SplitPlan split_plan(int64_t ctas, int64_t units, int64_t min_units, int64_t max_splits, int64_t wave) {
+  ctas = std::max<int64_t>(ctas, 1);
+  units = std::max<int64_t>(units, 1);
+  min_units = std::max<int64_t>(min_units, 1);
+  const int64_t most = std::max<int64_t>(1, std::min(max_splits, units / min_units));
+  const int64_t want = ctas >= wave ? 1 : std::clamp<int64_t>((wave + ctas - 1) / ctas, 1, most);
+  const int64_t per = (units + want - 1) / want;
+  return {static_cast<int>((units + per - 1) / per), static_cast<int>(per)};
+}
+
+// block_attention: split-KV over key tiles of `key_tile` keys; at least kAttnMinKeysPerSplit
+// keys per split (64-key splits of a short context moved ~2x the K/V bytes as fp32 partials).
+inline constexpr int kAttnMinKeysPerSplit = 256;
+inline constexpr int kAttnMaxSplits = 128;
+inline SplitPlan attention_split_plan(int64_t ctas, int64_t max_keys, int key_tile, int64_t wave) {
+  const int64_t tiles = (std::max<int64_t>(max_keys, 1) + key_tile - 1) / key_tile;
+  return split_plan(ctas, tiles, (kAttnMinKeysPerSplit + key_tile - 1) / key_tile, kAttnMaxSplits, wave);
+}
+
+// project_features and inject_context_kv: split-K over K tiles, each split streaming at
+// least kGemmMinKTilesPerSplit tiles of the weight.
+inline constexpr int kGemmMinKTilesPerSplit = 4;
+inline constexpr int kGemmMaxSplits = 64;
+inline SplitPlan gemm_split_plan(int64_t ctas, int64_t k_tiles, int64_t wave) {
+  return split_plan(ctas, k_tiles, kGemmMinKTilesPerSplit, kGemmMaxSplits, wave);
+}
+
+// Keys a sequence can attend to in a launch planned for `max_context` context rows
+// (< 0: the whole cache of S rows) with window `window` (0 = all): the static bound that
+// the split plan covers, so that a captured CUDA graph stays correct as contexts grow.
+inline int64_t planned_context(int64_t max_context, int64_t window, int64_t S) {
+  int64_t n = max_context < 0 ? S : std::min(max_context, S);
+  if (window > 0) n = std::min(n, window);
+  return n;
+}
+
+// Which compiled kernel set runs on compute capability major.minor: sm_90a code needs
+// exactly 9.0 (wgmma is 9.0-only), the plain sm_100 code runs on every 10.x (B200 10.0,
+// B300 10.3), and anything else from 8.0 on takes sm_80 (its SASS on 8.x, else its PTX,
+// JIT-compiled by the driver, e.g. on 12.x). Below 8.0: kNone.
+enum class KernelArch : int { kNone = 0, kSm80 = 80, kSm90a = 90, kSm100 = 100 };
+inline KernelArch kernel_arch_for(int major, int minor) {
+  if (major < 8) return KernelArch::kNone;
+  if (major == 9 && minor == 0) return KernelArch::kSm90a;
+  if (major == 10) return KernelArch::kSm100;
+  return KernelArch::kSm80;
+}
+
+}  // namespace dflash::cuda

@@ -1,0 +1,97 @@
+"""The CUDA draft step without host syncs, and its CUDA graph (DFlashProposer): a
+validate=False draft step makes no synchronising call, and a captured graph replayed over
+20 steps with a growing context drafts what the eager step drafts. CUDA only: every test
+skips without a GPU; the CPU cases check what the proposer does there (nothing new)."""
+import pytest
+import torch
+
+from dflash_ext.decoding import DFlashProposer
+from dflash_ext.drafter import DFlashDrafter
+
+from decoding_helpers import tiny_target, tiny_target_config
+from helpers import HAS_CUDA
+
+CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+
+
+def _pair(device, dtype=torch.float32, draft_vocab=None):
+    # head_dim 64: the tensor-core kernels on CUDA in bf16
+    target = tiny_target("qwen3", num_hidden_layers=4, hidden_size=256).to(device, dtype)
+    drafter = DFlashDrafter.from_target(tiny_target_config("qwen3", num_hidden_layers=4, hidden_size=256), num_layers=2,
+                                        block_size=8, seed=1).to(device, dtype)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
+    return target, drafter
+
+
+def _hidden_states(target, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.config.vocab_size, (1, n), generator=g).to(target.device)
+    with torch.no_grad():
+        return target(input_ids=ids, output_hidden_states=True).hidden_states
+
+
+def test_cpu_proposer_neither_captures_nor_skips_validation():
+    target, drafter = _pair("cpu")
+    prop = DFlashProposer(drafter, target, capacity=64)
+    assert not prop.cuda_graph and prop.validate
+    with pytest.raises(ValueError, match="cuda_graph=True needs"):
+        DFlashProposer(drafter, target, capacity=64, cuda_graph=True)
+
+
+def test_the_draft_vocab_head_is_gathered_once_per_drafter():
+    target, drafter = _pair("cpu", draft_vocab=list(range(0, 128, 3)))
+    a = DFlashProposer(drafter, target, capacity=64)
+    b = DFlashProposer(drafter, target, capacity=64)
+    assert a.vocab_head is b.vocab_head
+    torch.testing.assert_close(a.vocab_head, target.get_output_embeddings().weight[::3])
+
+
+def test_proposer_past_its_positions_is_a_clear_error():
+    target, drafter = _pair("cpu")
+    prop = DFlashProposer(drafter, target, capacity=16)
+    with pytest.raises(RuntimeError, match="runs past"):
+        prop.propose(1, 16 + 8, 7)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_draft_step_without_validation_never_syncs(dtype):
+    target, drafter = _pair("cuda", dtype)
+    prop = DFlashProposer(drafter, target, capacity=256, cuda_graph=False)
+    hs = _hidden_states(target, 40)
+    positions = torch.arange(40, device="cuda")
+    prop.accept(hs, slice(0, 30), positions[:30])
+    prop.propose(3, 30, 7)  # warm-up: lazy initialisation outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prop.propose(5, 30, 7)
+        prop.accept(hs, slice(30, 33), positions[30:33])
+        prop.propose(7, 33, 7)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(1, 128, 2))])
+def test_cuda_graph_replays_equal_the_eager_step_as_the_context_grows(dtype, draft_vocab):
+    target, drafter = _pair("cuda", dtype, draft_vocab)
+    graph = DFlashProposer(drafter, target, capacity=512, cuda_graph=True)
+    eager = DFlashProposer(drafter, target, capacity=512, cuda_graph=False)
+    hs = _hidden_states(target, 200, seed=3)
+    positions = torch.arange(200, device="cuda")
+    pos = 20
+    for p in (graph, eager):
+        p.accept(hs, slice(0, pos), positions[:pos])
+    for step in range(20):
+        last = (7 * step + 1) % 128
+        got, want = graph.propose(last, pos, 7), eager.propose(last, pos, 7)
+        assert torch.equal(got, want), f"step {step} at context {pos}: graph {got.tolist()} != eager {want.tolist()}"
+        n = 1 + step % 5  # accepted tokens of this step
+        for p in (graph, eager):
+            p.accept(hs, slice(pos, pos + n), positions[pos:pos + n])
+        pos += n
+    assert graph.cuda_graph and 7 in graph._graphs
+    torch.testing.assert_close(graph.cache.k, eager.cache.k, rtol=0, atol=0)

@@ -1,0 +1,92 @@
+"""The CUDA launch-plan rules (csrc/include/dflash/cuda/plans.h), evaluated on the host
+through dflash_ext._C._cuda_plan: they are pure functions, so they are checked on every
+machine, GPU or not. The per-architecture plan functions call them with their tile sizes
+and measured occupancy (python_tests/cuda/host_checks.cu checks those compositions)."""
+import itertools
+
+import pytest
+
+import dflash_ext._C as C
+
+KEY_TILE = 64          # the attention kernel's key tile (attention_kernels.cuh)
+MIN_KEYS = 256         # kAttnMinKeysPerSplit
+MIN_K_TILES = 4        # kGemmMinKTilesPerSplit
+H200_WAVE = 132 * 2    # 132 SMs x 2 resident CTAs
+
+
+def covers_exactly(splits, per, units):
+    # splits x per covers every unit, and the last split starts inside the range (none is empty)
+    return splits >= 1 and per >= 1 and splits * per >= units and (splits - 1) * per < units
+
+
+@pytest.mark.parametrize("ctas,units,min_units,max_splits,wave",
+                         list(itertools.product([1, 7, 64, 264, 1000], [1, 3, 4, 33, 320, 5000], [1, 4], [1, 16, 128],
+                                                [8, 264])))
+def test_split_plan_covers_every_unit_once_and_respects_its_bounds(ctas, units, min_units, max_splits, wave):
+    splits, per = C._cuda_plan("split", ctas, units, min_units, max_splits, wave)
+    assert covers_exactly(splits, per, units)
+    assert splits <= max_splits
+    if splits > 1:
+        assert per >= min_units, "a split shorter than the minimum"
+        assert ctas * splits <= wave + ctas, "more CTAs than one wave needs"
+    if ctas >= wave:
+        assert splits == 1, "a grid that already fills the wave is split"
+
+
+def test_attention_plan_keeps_long_splits_for_short_contexts():
+    # The issue's case: Hkv = 8, Bq = 16, group 4 -> 8 CTAs, 2k context; the old rule made 33 splits of 64 keys.
+    splits, tiles = C._cuda_plan("attention", 8, 2048 + 16, KEY_TILE, H200_WAVE)
+    assert tiles * KEY_TILE >= MIN_KEYS
+    assert splits <= (2048 + 16) // MIN_KEYS + 1
+    assert covers_exactly(splits, tiles, -(-(2048 + 16) // KEY_TILE))
+
+
+@pytest.mark.parametrize("max_keys", [1, 17, 255, 256, 257, 1024, 4096 + 16, 16384 + 16, 1 << 20])
+@pytest.mark.parametrize("ctas", [1, 8, 64, 512])
+def test_attention_plan_splits(max_keys, ctas):
+    splits, tiles = C._cuda_plan("attention", ctas, max_keys, KEY_TILE, H200_WAVE)
+    key_tiles = -(-max_keys // KEY_TILE)
+    assert covers_exactly(splits, tiles, key_tiles)
+    assert splits == 1 or tiles * KEY_TILE >= MIN_KEYS
+    assert splits <= 128
+    if ctas >= H200_WAVE:
+        assert splits == 1
+
+
+def test_attention_plan_of_long_context_fills_the_wave():
+    splits, _ = C._cuda_plan("attention", 8, 16384 + 16, KEY_TILE, H200_WAVE)
+    assert 8 * splits >= H200_WAVE - 8, "a long context with few CTAs should fill the GPU"
+
+
+@pytest.mark.parametrize("ctas,k_tiles", [(18, 9), (80, 64), (32, 320), (1, 1), (264, 64), (2, 2)])
+def test_gemm_split_plan(ctas, k_tiles):
+    splits, per = C._cuda_plan("gemm", ctas, k_tiles, H200_WAVE)
+    assert covers_exactly(splits, per, k_tiles)
+    assert splits == 1 or per >= MIN_K_TILES
+    if ctas >= H200_WAVE:
+        assert splits == 1
+
+
+def test_inject_of_a_qwen3_8b_drafter_step_is_split():
+    # 16 tokens -> one row tile; N=5 layers x (k, v) x Hkv=8 = 80 CTAs on 132 SMs; H=4096: 64 K tiles.
+    splits, per = C._cuda_plan("gemm", 80, 64, H200_WAVE)
+    assert splits >= 2 and covers_exactly(splits, per, 64)
+
+
+@pytest.mark.parametrize("max_context,window,S,expected", [
+    (-1, 0, 1000, 1000), (-1, 128, 1000, 128), (300, 0, 1000, 300), (300, 128, 1000, 128),
+    (5000, 0, 1000, 1000), (0, 0, 1000, 0), (-1, 0, 0, 0)])
+def test_planned_context(max_context, window, S, expected):
+    assert C._cuda_plan("planned_context", max_context, window, S) == expected
+
+
+@pytest.mark.parametrize("cc,arch", [((7, 5), 0), ((8, 0), 80), ((8, 6), 80), ((8, 9), 80), ((9, 0), 90),
+                                     ((10, 0), 100), ((10, 3), 100), ((11, 0), 80), ((12, 0), 80), ((12, 1), 80)])
+def test_kernel_arch_dispatch_by_major_version(cc, arch):
+    # B300 (10.3) runs the sm_100 code (not the sm_80 PTX); only 9.0 takes the wgmma kernels.
+    assert C._cuda_plan("kernel_arch", *cc) == arch
+
+
+def test_unknown_rule_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown plan rule"):
+        C._cuda_plan("nope", 1)
