@@ -113,8 +113,7 @@ class Setup:
         self.ids = torch.full((batch, block), c.mask_token_id, dtype=torch.long, device=dev)
         self.ids[:, 0] = torch.randint(0, c.vocab_size - 1, (batch,), generator=gen, device=dev)
         self.block_pos = torch.arange(context + tau, context + tau + block, device=dev).repeat(batch, 1)
-        self.max_position = context + tau + block
-        drafter.rope_tables(self.max_position + 1)  # built before timing
+        self.rope = drafter.rope_tables(context + tau + block + 1)  # built before timing
         self.graph = None
 
     def project(self, impl):
@@ -122,14 +121,14 @@ class Setup:
 
     def inject_args(self, impl):
         d = self.d
-        return (self.project(impl), *d._stacked_kv_weights(), *d.rope_tables(self.max_position + 1),
+        return (self.project(impl), *d._stacked_kv_weights(), *self.rope,
                 self.inj_pos, self.slots, self.cache.k, self.cache.v, d.config.rms_norm_eps)
 
     def inject(self, fused, validate=True):
         set_lengths(self.cache, self.context)  # every call re-injects the same tau tokens
         if self.batch == 1:
             return self.d.add_context(self.cache, 0, self.feats, self.inj_pos, fused=fused,
-                                      max_position=self.max_position, validate=validate)
+                                      rope=self.rope, validate=validate)
         if fused:
             ops.inject_context_kv(*self.inject_args(ops), validate=validate)
         else:
@@ -138,7 +137,7 @@ class Setup:
 
     def hidden(self, fused, validate=True):
         return self.d.draft_hidden(self.cache, F.embedding(self.ids, self.lm_w), self.block_pos, fused=fused,
-                                   max_position=self.max_position, validate=validate)
+                                   rope=self.rope, validate=validate)
 
     def graph_step(self):
         """The fused step without validation, captured in a CUDA graph on first use, replayed."""

@@ -131,9 +131,11 @@ class DFlashProposer:
         self.device = drafter.fc.weight.device
         on_cuda = self.device.type == "cuda"
         # Every position a block can reach (the cache holds <= capacity tokens, a block
-        # adds block_size); the tables are made now and never grow inside a step.
+        # adds block_size): the tables are taken now and held here, so a step never grows
+        # them and a captured graph's tables stay alive whatever the drafter does later.
         self.position_limit = capacity + drafter.config.block_size + 1
-        drafter.rope_tables(self.position_limit)
+        cos, sin = drafter.rope_tables(self.position_limit)
+        self.rope = (cos[:self.position_limit], sin[:self.position_limit])
         self.validate = not on_cuda
         if cuda_graph and not (on_cuda and fused):
             raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")
@@ -143,13 +145,15 @@ class DFlashProposer:
         if drafter.draft_vocab is not None:  # cached on the drafter: gathered once, not per generation
             self.vocab, self.vocab_head, self.vocab_bias = drafter.draft_vocab_head(self.lm_head)
 
+    @torch.no_grad()
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
         tokens in `rows` of the last target pass, at `positions`."""
         feats = [hidden_states[l + 1][0, rows].to(self.drafter.fc.weight.dtype) for l in self.layer_ids]
-        self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused,
-                                 max_position=self.position_limit - 1, validate=self.validate)
+        self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused, rope=self.rope,
+                                 validate=self.validate)
 
+    @torch.no_grad()
     def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
         """n draft tokens following `last_token` at `position`."""
         if position + n >= self.position_limit:
@@ -168,8 +172,8 @@ class DFlashProposer:
         """The draft tokens [n] for the block `ids` [1, n + 1] at `positions` [1, n + 1]:
         everything a captured step replays (no host reads on CUDA)."""
         embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
-        hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused,
-                                           max_position=self.position_limit - 1, validate=self.validate)
+        hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused, rope=self.rope,
+                                           validate=self.validate)
         if self.vocab is None:
             return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
         return draft_tokens(hidden.to(self.vocab_head.dtype), lambda rows: F.linear(rows, self.vocab_head, self.vocab_bias),
@@ -180,10 +184,17 @@ class _CapturedDraftStep:
     """DFlashProposer.draft_step for one block size, captured in a CUDA graph: static input
     buffers (the block's token ids and positions), the cache and its device lengths read
     in place, one replay per draft. The attention is planned for the cache capacity, so a
-    replay stays correct as the context grows."""
+    replay stays correct as the context grows. The graph holds the drafter's weights and
+    the proposer's tensors by address: a proposer lives for one generation, and the
+    drafter must not be moved or changed meanwhile (a new proposer captures anew)."""
 
+    @torch.no_grad()
     def __init__(self, proposer: DFlashProposer, n: int):
         dev = proposer.device
+        with torch.cuda.device(dev):
+            self._capture(proposer, n, dev)
+
+    def _capture(self, proposer: DFlashProposer, n: int, dev) -> None:
         self.ids = torch.full((1, n + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
         self.offsets = torch.arange(n + 1, device=dev)[None]
         self.positions = self.offsets.clone()
@@ -196,7 +207,7 @@ class _CapturedDraftStep:
                 proposer.draft_step(self.ids, self.positions)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = proposer.draft_step(self.ids, self.positions)
 
     def __call__(self, last_token: int, position: int) -> torch.Tensor:

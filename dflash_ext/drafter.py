@@ -328,9 +328,9 @@ class DraftCache:
         self.offsets = torch.arange(batch_size, device=device, dtype=torch.long) * capacity
 
     @property
-    def lengths(self) -> List[int]:
-        """Accepted tokens per sequence (a copy: change them with set_length / advance)."""
-        return list(self._lengths)
+    def lengths(self) -> tuple:
+        """Accepted tokens per sequence (read-only: change them with set_length / advance)."""
+        return tuple(self._lengths)
 
     def set_length(self, b: int, n: int) -> None:
         if not 0 <= n <= self.capacity:
@@ -568,12 +568,13 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------ the draft step
     @torch.no_grad()
     def add_context(self, cache: DraftCache, b: int, features: Sequence[torch.Tensor],
-                    positions: torch.Tensor, fused: bool = True, max_position: Optional[int] = None,
-                    validate: bool = True) -> None:
+                    positions: torch.Tensor, fused: bool = True, rope=None, validate: bool = True) -> None:
         """Project the target features [T, H] (one per target layer) of T newly accepted
         tokens of sequence b at `positions` and write their K/V into every layer's cache.
-        `max_position` bounds the positions (None: read from `positions`, a device sync on
-        CUDA); `validate=False` lets the fused op skip its host-side index check (ops.py)."""
+        `rope`: the (cos, sin) tables to use, covering every position (None: rope_tables
+        sized from `positions`, which reads them: a device sync on CUDA). `validate=False`
+        lets the fused op skip its host-side index check (ops.py); a token skipped there
+        for a bad position still counts in the cache length."""
         T = features[0].shape[0]
         if T == 0:
             return
@@ -581,7 +582,7 @@ class DFlashDrafter(nn.Module):
         impl = ops if fused else reference
         ctx = impl.project_features(list(features), self.fc.weight, self.hidden_norm.weight, eps)
         k_w, v_w, kn_w = self._stacked_kv_weights()
-        cos, sin = self.rope_tables((int(positions.max()) if max_position is None else max_position) + 1)
+        cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
         slots = cache.slots_for(b, T)
         args = (ctx, k_w, v_w, kn_w, cos, sin, positions, slots, cache.k, cache.v, eps)
         if fused:
@@ -592,13 +593,13 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft_hidden(self, cache: DraftCache, block_embeds: torch.Tensor, positions: torch.Tensor,
-                     fused: bool = True, max_position: Optional[int] = None, validate: bool = True) -> torch.Tensor:
+                     fused: bool = True, rope=None, validate: bool = True) -> torch.Tensor:
         """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings
         of [last accepted token, MASK...]) at ``positions [Bsz, B]``; returns the final-normed
         hidden states [Bsz, B, H]. Block K/V are scratch: the cache is not changed.
-        `max_position` and `validate` as in :meth:`add_context`; with ``validate=False`` the
+        `rope` and `validate` as in :meth:`add_context`; with ``validate=False`` the
         attention is planned for the cache's capacity (a static bound: CUDA graphs)."""
-        cos, sin = self.rope_tables((int(positions.max()) if max_position is None else max_position) + 1)
+        cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
         offsets, lens = cache.offsets, cache.lens
         scale = self.config.head_dim ** -0.5

@@ -37,7 +37,7 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
     [0, P)) and raises on a bad one. On CUDA that reads them on the host (a sync);
     ``validate=False`` reads nothing there (what a CUDA graph needs), and a token whose
     slot is outside [0, S) or whose position is outside [0, P) is then skipped, nothing
-    written; repeated slots write one of their rows. The CPU always validates.
+    written; repeated slots leave a mix of those tokens' rows there. The CPU always validates.
     """
     _ops.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
                            k_cache, v_cache, float(eps), bool(validate))

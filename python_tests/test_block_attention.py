@@ -184,7 +184,7 @@ CUDA_HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16
     pytest.param([40000], 3, 12, 4, 64, 0, id="odd-rows-many-splits"),
 ])
 def test_cuda_long_contexts_many_splits(lens, Bq, Hq, Hkv, D, window, dtype):
-    """Long contexts on the GPU: the split-KV path with up to 256 splits, empty splits for
+    """Long contexts on the GPU: the split-KV path with up to 128 splits, empty splits for
     short sequences, and the log-sum-exp combine."""
     check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
                                           device="cuda", seed=len(lens) + Bq, q_std=1.0))

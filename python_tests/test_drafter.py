@@ -37,7 +37,7 @@ def test_fused_and_reference_draft_agree():
     torch.testing.assert_close(cache_f.k, cache_r.k, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cache_f.v, cache_r.v, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
-    assert cache_f.lengths == [11]
+    assert cache_f.lengths == (11,)
 
 
 def test_save_load_round_trip(tmp_path):
@@ -126,7 +126,7 @@ def test_full_context_cache_is_an_error():
     drafter.add_context(cache, 0, feats, torch.arange(3))
     with pytest.raises(RuntimeError, match="cache is full"):
         drafter.add_context(cache, 0, feats, torch.arange(3, 6))
-    assert cache.lengths == [3]
+    assert cache.lengths == (3,)
 
 
 def test_drafter_that_does_not_fit_the_target():

@@ -55,10 +55,11 @@ def test_max_context_below_a_visible_context_raises_when_validating(device):
 
 @CUDA_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 96])
-def test_cuda_bad_inject_indices_without_validation_write_only_the_good_rows(dtype, D):
-    T, S, P = 24, 40, 50
-    inp = make_inject_inputs(T, 64, 3, 2, D, S=S, P=P, dtype=dtype, device="cuda", skip_frac=0.0)
+@pytest.mark.parametrize("H,N,Hkv,D", [(64, 3, 2, 64), (64, 3, 2, 96), (4096, 5, 8, 128)],
+                         ids=["one-k-tile", "simt-D96", "qwen3-8b-split-k"])
+def test_cuda_bad_inject_indices_without_validation_write_only_the_good_rows(dtype, H, N, Hkv, D):
+    T, S, P = 24, 40, 50  # qwen3-8b-split-k: 80 CTAs on the SMs, so the plan splits K (finalize pass)
+    inp = make_inject_inputs(T, H, N, Hkv, D, S=S, P=P, dtype=dtype, device="cuda", skip_frac=0.0)
     slots = torch.randperm(S)[:T]
     positions = torch.randint(0, P, (T,))
     slots[0], slots[1], slots[2] = S, S + 1000, -7          # slots outside [-1, S)
@@ -86,21 +87,23 @@ def test_cuda_bad_inject_indices_without_validation_write_only_the_good_rows(dty
 @CUDA_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_bad_ranges_without_validation_are_clamped_to_the_cache(dtype):
-    inp = make_attention_inputs([9, 30, 5], 4, 8, 2, 64, dtype=dtype, device="cuda", poison=False)
+    # no max_context: planned for the whole cache, split over its ~3,000 rows
+    inp = make_attention_inputs([9, 30, 5, 3000], 4, 8, 2, 64, dtype=dtype, device="cuda", poison=False)
     S = inp.k_cache.shape[0]
-    inp.cache_offsets = torch.tensor([S - 4, -50, S + 7], device="cuda")
-    inp.cache_lens = torch.tensor([9, 30, 5], device="cuda")
+    good_offset = int(inp.cache_offsets[3])
+    inp.cache_offsets = torch.tensor([S - 4, -50, S + 7, good_offset], device="cuda")
+    inp.cache_lens = torch.tensor([9, 30, 5, 3000], device="cuda")
     got = dflash_ext.block_attention(*inp.args(), validate=False)
     torch.cuda.synchronize()
     # clamped: offset into [0, S], len into [0, S - offset]
-    clamped = make_attention_inputs([9, 30, 5], 4, 8, 2, 64, dtype=dtype, device="cuda", poison=False)
-    clamped.cache_offsets = torch.tensor([S - 4, 0, S], device="cuda")
-    clamped.cache_lens = torch.tensor([4, 30, 0], device="cuda")
+    clamped = make_attention_inputs([9, 30, 5, 3000], 4, 8, 2, 64, dtype=dtype, device="cuda", poison=False)
+    clamped.cache_offsets = torch.tensor([S - 4, 0, S, good_offset], device="cuda")
+    clamped.cache_lens = torch.tensor([4, 30, 0, 3000], device="cuda")
     want = reference.block_attention(*clamped.args())
     assert torch.isfinite(got.float()).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
     # a visible context above max_context: its last max_context rows
-    inp.cache_offsets, inp.cache_lens = clamped.cache_offsets.clone(), torch.tensor([4, 30, 0], device="cuda")
+    inp.cache_offsets, inp.cache_lens = clamped.cache_offsets.clone(), clamped.cache_lens.clone()
     got = dflash_ext.block_attention(*inp.args(), max_context=10, validate=False)
     clamped.window = 10
     torch.testing.assert_close(got.float(), reference.block_attention(*clamped.args()).float(), rtol=3e-2, atol=3e-2)

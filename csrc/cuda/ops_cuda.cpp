@@ -208,7 +208,8 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   p.S = d.S;
   p.window = window;
   p.max_context = planned;
-  p.max_keys = narrow(planned + d.Bq, "context + Bq keys per sequence");
+  // + one key tile of headroom: the plan rounds splits up to whole tiles in int
+  p.max_keys = narrow(planned + d.Bq + 64, "context + Bq keys per sequence") - 64;
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_of(q);
   const auto info = device_info(q.device());

@@ -13,6 +13,7 @@
 #pragma once
 #include <cmath>
 
+#include "dflash/cuda/plans.h"
 #include "dflash/cuda/tile_gemm.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
@@ -47,21 +48,24 @@ __device__ __forceinline__ float quad_sum(float v) {
 // Split-KV merge, run by every split CTA when it is done: the one that finishes last for
 // its tile (the counter reaches splits - 1) merges the tile's rows over all splits,
 // out = sum_s exp(lse_s - max) O_s / sum_s exp(lse_s - max) (partials are normalized by
-// their own l), and resets the counter for the next launch or graph replay. Partials are
-// read through L2 (__ldcg): other CTAs wrote them, and L1 is not coherent.
+// their own l). The counters are zeroed before every launch (a memset node in a graph).
+// Partials are read through L2 (__ldcg): other CTAs wrote them, and L1 is not coherent.
+// `scratch` is the CTA's dynamic shared memory, free by now (no copy in flight, every MMA
+// done): a static __shared__ array here would move the dynamic buffer off its 1 KiB
+// alignment, which the wgmma swizzle needs. It holds the flag and the per-(split, row)
+// weights, so the loop over the D columns reads only the partial outputs.
+inline constexpr int kAttnCombineScratchFloats = 1 + kAttnMaxSplits * kAttnBM;
+static_assert(kAttnCombineScratchFloats * 4 <= attention_smem_bytes<64>(2), "the combine scratch must fit the tile buffers");
 template <class T, int D, class RowIndex>
-__device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, int rows, const RowIndex& row_index) {
-  __shared__ int is_last;
-  __shared__ float row_max[kAttnBM], row_inv[kAttnBM];
+__device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, int rows, const RowIndex& row_index,
+                                       float* scratch) {
+  int* is_last = reinterpret_cast<int*>(scratch);
+  float* weight = scratch + 1;  // [splits][kAttnBM]: exp(lse_s - max) / sum_s exp(lse_s - max)
   __threadfence();  // this CTA's partials are visible device-wide before it is counted
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = p.tile_counters + blockIdx.x * gridDim.y + blockIdx.y;
-    is_last = atomicAdd(counter, 1) == p.splits - 1;
-    if (is_last) *counter = 0;
-  }
+  if (threadIdx.x == 0) *is_last = atomicAdd(p.tile_counters + blockIdx.x * gridDim.y + blockIdx.y, 1) == p.splits - 1;
   __syncthreads();
-  if (!is_last) return;
+  if (!*is_last) return;
   __threadfence();
   const int64_t plane = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;  // rows of one split
   for (int r = threadIdx.x; r < kAttnBM; r += kTileThreads) {
@@ -69,9 +73,13 @@ __device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, in
     const int64_t row = row_index(r);
     float m = -INFINITY, denom = 0.f;
     for (int s = 0; s < p.splits; ++s) m = fmaxf(m, __ldcg(p.partial_lse + s * plane + row));
-    for (int s = 0; s < p.splits; ++s) denom += expf(__ldcg(p.partial_lse + s * plane + row) - m);
-    row_max[r] = m;
-    row_inv[r] = 1.f / denom;  // > 0: the split holding the block keys is never empty
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = expf(__ldcg(p.partial_lse + s * plane + row) - m);
+      weight[s * kAttnBM + r] = w;
+      denom += w;
+    }
+    // denom >= 1: the split holding the block keys is never empty
+    for (int s = 0; s < p.splits; ++s) weight[s * kAttnBM + r] /= denom;
   }
   __syncthreads();
   for (int c = threadIdx.x; c < kAttnBM * D; c += kTileThreads) {
@@ -80,10 +88,10 @@ __device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, in
     const int64_t row = row_index(r);
     float acc = 0.f;
     for (int s = 0; s < p.splits; ++s) {
-      const float w = expf(__ldcg(p.partial_lse + s * plane + row) - row_max[r]);
-      if (w > 0.f) acc += w * __ldcg(p.partial_out + (s * plane + row) * D + d);
+      const float w = weight[s * kAttnBM + r];
+      if (w > 0.f) acc += w * __ldcg(p.partial_out + (s * plane + row) * D + d);  // empty splits: w = 0
     }
-    static_cast<T*>(p.out)[row * D + d] = from_float<T>(acc * row_inv[r]);
+    static_cast<T*>(p.out)[row * D + d] = from_float<T>(acc);
   }
 }
 
@@ -148,7 +156,7 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
       p.partial_lse[row] = -INFINITY;
       for (int d = 0; d < D; ++d) p.partial_out[row * D + d] = 0.f;
     }
-    combine_splits_if_last<T, D>(p, r0, rows, row_index);
+    combine_splits_if_last<T, D>(p, r0, rows, row_index, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -232,7 +240,7 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
       if (r0 + r < rows) p.partial_lse[split_base + row_index(r)] = m_run[j] / kLog2e + logf(l_run[j]);
     }
   }
-  if (p.splits > 1) combine_splits_if_last<T, D>(p, r0, rows, row_index);
+  if (p.splits > 1) combine_splits_if_last<T, D>(p, r0, rows, row_index, reinterpret_cast<float*>(smem_raw));
 }
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

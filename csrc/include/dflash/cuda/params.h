@@ -20,7 +20,8 @@ struct DeviceLimits {
 // the kernels never read or write outside a tensor. A token whose slot is outside [0, S)
 // or whose position is outside [0, P) is skipped (nothing written); a context range is
 // clamped to the cache (offset to [0, S], length to [0, S - offset]) and to the planned
-// context (block_attention's max_context); repeated slots write one of their rows.
+// context (block_attention's max_context); repeated slots write a mix of those tokens'
+// rows (K/V and heads come from different CTAs), never outside them.
 
 // project_features: out = rms_norm(concat(features) @ fc_weight^T) * norm_weight.
 inline constexpr int kMaxFeatures = 16;  // more are concatenated on the host first
