@@ -31,7 +31,7 @@ import _common  # noqa: E402
 from _common import DTYPES, OUT_DIR, MismatchError, format_table  # noqa: E402
 
 from dflash_ext import ops, reference  # noqa: E402
-from dflash_ext.decoding import draft_tokens  # noqa: E402
+from dflash_ext.decoding import capture_cuda_graph, draft_tokens  # noqa: E402
 from dflash_ext.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids  # noqa: E402
 
 PRESETS = _common.DRAFTERS  # DFlashConfig fields, plus k target features and the rope theta
@@ -142,15 +142,7 @@ class Setup:
     def graph_step(self):
         """The fused step without validation, captured in a CUDA graph on first use, replayed."""
         if self.graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.step(True, validate=False)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.graph_out = self.step(True, validate=False)
+            self.graph, self.graph_out = capture_cuda_graph(lambda: self.step(True, validate=False))
         self.graph.replay()
         return self.graph_out
 

@@ -10,6 +10,7 @@
 
 #include "dflash/checks.h"
 #include "dflash/cuda/plans.h"
+#include "dflash/window.h"
 
 namespace dflash {
 namespace {
@@ -171,7 +172,7 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
     // l <= S - o, never o + l <= S: the sum of two int64 values can overflow (UB, wraps negative).
     TORCH_CHECK(o[b] <= S && l[b] <= S - o[b], "context of sequence ", b, " (cache_offsets[", b, "] = ", o[b],
                 ", cache_lens[", b, "] = ", l[b], ") runs past the end of the cache (S=", S, " rows)");
-    const int64_t visible = window > 0 ? std::min(l[b], window) : l[b];
+    const int64_t visible = visible_context(l[b], window);
     TORCH_CHECK(max_context < 0 || visible <= max_context, "sequence ", b, " sees ", visible,
                 " context rows (cache_lens[", b, "] = ", l[b], ", window ", window, ") but max_context is ",
                 max_context);

@@ -180,6 +180,23 @@ class DFlashProposer:
                             self.vocab)[0]
 
 
+def capture_cuda_graph(fn: Callable[[], torch.Tensor]):
+    """(graph, output) of `fn` captured in a CUDA graph on the current device: two warm-up
+    calls on a side stream first (lazy initialisation, the kernels' one-time set-up and the
+    allocator's pools stay out of the capture), as torch.cuda.graphs advises. Replaying the
+    graph rewrites the output tensor in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
 class _CapturedDraftStep:
     """DFlashProposer.draft_step for one block size, captured in a CUDA graph: static input
     buffers (the block's token ids and positions), the cache and its device lengths read
@@ -198,17 +215,7 @@ class _CapturedDraftStep:
         self.ids = torch.full((1, n + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
         self.offsets = torch.arange(n + 1, device=dev)[None]
         self.positions = self.offsets.clone()
-        # Warm-up on a side stream first (lazy initialisation, the kernels' one-time set-up
-        # and the allocator's pools stay out of the capture), as torch.cuda.graphs advises.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                proposer.draft_step(self.ids, self.positions)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.out = proposer.draft_step(self.ids, self.positions)
+        self.graph, self.out = capture_cuda_graph(lambda: proposer.draft_step(self.ids, self.positions))
 
     def __call__(self, last_token: int, position: int) -> torch.Tensor:
         self.ids[:, :1].fill_(last_token)                     # device fills: no host round trip

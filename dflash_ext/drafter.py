@@ -578,8 +578,8 @@ class DFlashDrafter(nn.Module):
         T = features[0].shape[0]
         if T == 0:
             return
-        eps = self.config.rms_norm_eps
         impl = ops if fused else reference
+        eps = self.config.rms_norm_eps
         ctx = impl.project_features(list(features), self.fc.weight, self.hidden_norm.weight, eps)
         k_w, v_w, kn_w = self._stacked_kv_weights()
         cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
@@ -601,20 +601,14 @@ class DFlashDrafter(nn.Module):
         attention is planned for the cache's capacity (a static bound: CUDA graphs)."""
         cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+        attention = ops.block_attention if fused else reference.block_attention
+        fused_args = (-1 if validate else cache.capacity, validate) if fused else ()  # max_context, validate
         offsets, lens = cache.offsets, cache.lens
         scale = self.config.head_dim ** -0.5
-        max_context = -1 if validate else cache.capacity
-
-        def attend(i):
-            if fused:
-                return lambda q, k, v: ops.block_attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
-                                                           cache.windows[i], max_context, validate)
-            return lambda q, k, v: reference.block_attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
-                                                             cache.windows[i])
-
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attend(i))
+            x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens,
+                                                             scale, cache.windows[i], *fused_args))
         return self.norm(x)
 
     def draft_vocab_head(self, lm_head: nn.Module):

@@ -14,15 +14,13 @@
 #include "cpu_utils.h"
 #include "isa.h"
 #include "dflash/checks.h"
+#include "dflash/window.h"
 
 namespace dflash::cpu {
 namespace {
 
 constexpr int64_t kKeyTile = 256;   // keys per S = Q·K^T tile
 constexpr int64_t kMinSplitKeys = 128;  // do not split below this many keys per split
-
-// The context rows a sequence attends to: its last `window` rows, all of them for window 0.
-inline int64_t windowed_len(int64_t len, int64_t window) { return window > 0 ? std::min(len, window) : len; }
 
 // A contiguous run of key/value rows in memory (row stride `ld` elements).
 template <typename T>
@@ -69,7 +67,7 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
   std::vector<int64_t> ctx_begin(d.Bsz), ctx_len(d.Bsz);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    ctx_len[b] = windowed_len(lens[b], window);
+    ctx_len[b] = visible_context(lens[b], window);
     ctx_begin[b] = offsets[b] + lens[b] - ctx_len[b];
     max_keys = std::max(max_keys, ctx_len[b] + Bq);
   }
@@ -191,7 +189,7 @@ void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const
     auto block = at::_scaled_dot_product_flash_attention_for_cpu(qh, heads_first(k_block[b]),
                                                                  heads_first(v_block[b]), 0.0, false, {}, scale);
     at::Tensor o = std::get<0>(block);  // [1, Hkv, M, D]
-    const int64_t n = windowed_len(lens[b], window);
+    const int64_t n = visible_context(lens[b], window);
     if (n > 0) {
       const int64_t start = offsets[b] + lens[b] - n;
       auto ctx = at::_scaled_dot_product_flash_attention_for_cpu(
@@ -237,7 +235,7 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
   const at::Tensor off = cache_offsets.contiguous(), len = cache_lens.contiguous();
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    max_keys = std::max(max_keys, windowed_len(len.data_ptr<int64_t>()[b], window) + d.Bq);
+    max_keys = std::max(max_keys, visible_context(len.data_ptr<int64_t>()[b], window) + d.Bq);
   }
   if (attention_path(q.scalar_type(), max_keys, d.Bq * (d.Hq / d.Hkv)) == AttentionPath::flash) {
     flash_block_attention(qc, k_block, v_block, k_cache, v_cache, off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "dflash/window.h"  // visible_context
+
 namespace dflash::cuda {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -69,11 +71,6 @@ struct InjectParams {
 // block_attention: per sequence b the keys are k_cache[start : off+len] ++ k_block[b].
 inline constexpr int kSimtMaxHeadDim = 256;  // the SIMT path keeps D/32 <= 8 values per lane
 
-// Cache rows a sequence with `len` context rows attends to (the last `window`, 0 = all);
-// used by the host (split planning) and by both attention kernels.
-__host__ __device__ constexpr int64_t visible_context(int64_t len, int64_t window) {
-  return (window > 0 && len > window) ? window : len;
-}
 
 struct BlockAttentionParams {
   const void* q;        // [Bsz, Bq, Hq, D]

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "dflash/window.h"
+
 namespace dflash::cuda {
 
 struct SplitPlan {
@@ -49,9 +51,7 @@ inline SplitPlan gemm_split_plan(int64_t ctas, int64_t k_tiles, int64_t wave) {
 // (< 0: the whole cache of S rows) with window `window` (0 = all): the static bound that
 // the split plan covers, so that a captured CUDA graph stays correct as contexts grow.
 inline int64_t planned_context(int64_t max_context, int64_t window, int64_t S) {
-  int64_t n = max_context < 0 ? S : std::min(max_context, S);
-  if (window > 0) n = std::min(n, window);
-  return n;
+  return visible_context(max_context < 0 ? S : std::min(max_context, S), window);
 }
 
 // Which compiled kernel set runs on compute capability major.minor: sm_90a code needs
