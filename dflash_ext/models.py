@@ -3,7 +3,9 @@
 is cached as a normal Hugging Face folder so later loads are fast."""
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -43,10 +45,22 @@ def default_target_path() -> str:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    open(os.path.join(folder, ".complete"), "w").close()
+    # Written to a folder of this process's own and renamed into place, so that processes
+    # converting at once (the ranks of a torchrun job on a fresh machine) never read a
+    # half-written checkpoint: the first rename wins and the others drop their copy.
+    os.makedirs(_cache_root(), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET_NAME}-", dir=_cache_root())
+    model.save_pretrained(staging)
+    tok.save_pretrained(staging)
+    open(os.path.join(staging, ".complete"), "w").close()
+    if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, ".complete")):
+        shutil.rmtree(folder, ignore_errors=True)  # left by an interrupted older conversion
+    try:
+        os.rename(staging, folder)
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.exists(os.path.join(folder, ".complete")):
+            raise
     print("[dflash_ext] conversion done", file=sys.stderr, flush=True)
     return folder
 
