@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -97,12 +98,17 @@ def test_e2e_quick(tmp_path):
 
 # --------------------------------------------------------------------------- bench_ops.py
 
-def _bench_ops():
-    """bench/bench_ops.py imported as a module (its CUDA-only helpers are pure functions)."""
-    spec = importlib.util.spec_from_file_location("bench_ops", os.path.join(REPO, "bench", "bench_ops.py"))
+def _bench_module(name):
+    """bench/<name>.py imported as a module (to test its pure helpers)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _bench_ops():
+    """bench/bench_ops.py (its CUDA-only helpers are pure functions)."""
+    return _bench_module("bench_ops")
 
 
 TINY_OPS = ["--presets", "smollm2", "--tokens", "1", "4", "--contexts", "64", "--batch", "1", "2",
@@ -241,3 +247,46 @@ def test_bench_ops_cuda_columns_forced_on_cpu(tmp_path, capsys):
         assert ("sdpa_ms" in r) == ("ratio_vs_sdpa" in r) == ("sdpa_min_ms" in r) == sdpa
         if sdpa:
             assert r["sdpa_ms"] > 0 and r["ratio_vs_sdpa"] == pytest.approx(r["sdpa_ms"] / r["fused_ms"])
+
+
+# --------------------------------------------------------------------------- verify_numerics.py
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_verify_reproduces_one_token_decoding(dtype):
+    """The row-wise verify calls the kernels one-token decoding calls: its logits equal
+    decoding's bitwise, row by row; leaving it restores the model's own forward."""
+    from decoding_helpers import tiny_target
+
+    vn = _bench_module("verify_numerics")
+    model = tiny_target().to(dtype)
+    model.set_attn_implementation("sdpa")
+    prompt = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    result, cache, block, context = vn.compare(model, prompt, [2, 5, 9])
+    for b in (2, 5, 9):
+        row = result[b, "rowwise"]
+        assert row["rows"] == b and row["bitwise_rows"] == b and row["max_abs_diff"] == 0.0
+        assert result[b, "verify"]["argmax_rows"] >= b - 1  # plain verify: last bits only
+    assert cache.get_seq_length() == context and block.shape == (1, 9)
+    # Leaving rowwise_verify restores the model: a plain pass equals a fresh model's.
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert "forward" not in vars(linear) and model.config._attn_implementation == "sdpa"
+    fresh = tiny_target().to(dtype)
+    fresh.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ids = torch.tensor([prompt + block[0].tolist()])
+        assert torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+def test_verify_numerics_quick(tmp_path):
+    out = tmp_path / "vn.json"
+    proc = _run("verify_numerics.py", ["--quick", "--n", "1", "--sizes", "2", "3", "--threads", "1",
+                                       "--min-repeats", "1", "--budget", "0.01", "--json", str(out)])
+    assert "row-wise B / 1 token" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [(r["dtype"], r["block_size"]) for r in data["rows"]] == [
+        ("bfloat16", 2), ("bfloat16", 3), ("float32", 2), ("float32", 3)]
+    for r in data["rows"]:
+        assert r["verify_rows"] == r["rowwise_rows"] == 2 * r["block_size"]  # one HumanEval + one MT-Bench prompt
+        assert r["rowwise_bitwise_rows"] == r["rowwise_rows"]
+        assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0

@@ -1,0 +1,201 @@
+"""Verify numerics: does a B-token verify pass give the logits of one-token decoding, and
+what would a verify that does cost?
+
+DFlash's verify runs the target over B tokens at once; one-token decoding (HF `generate`,
+the target alone) runs it over one. The two use other GEMM and attention shapes, so in
+low precision their logits can differ in the last bits and a near tie can go the other
+way (README, "what lossless means"). On real prompts (HumanEval and MT-Bench first turns,
+greedy continuations of the target), this script measures
+
+  1. how far the verify pass's logits are from one-token decoding's: bitwise equal rows,
+     rows with the same argmax, the largest difference;
+  2. the same for a *row-wise* verify, which calls the kernels one-token decoding calls:
+     every linear layer on one row at a time (M = 1) and attention one query at a time
+     over its own prefix (so no reduction order depends on B);
+  3. what each costs against one one-token forward, for B in --sizes (median times).
+
+A row-wise verify is exact only as far as the kernels' results do not depend on the
+memory layout of their inputs; (2) checks it, row by row.
+
+Usage:
+    .venv/bin/python bench/verify_numerics.py                     # bf16 and fp32, B = 2 3 4 8 16
+    .venv/bin/python bench/verify_numerics.py --dtype bfloat16 --sizes 2 4 --n 1 --quick
+"""
+import contextlib
+import os
+import sys
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from dflash_ext.decoding import TargetRunner, _crop  # noqa: E402
+from _common import DTYPES, OUT_DIR, format_table  # noqa: E402
+
+ROWWISE_ATTENTION = "rowwise_sdpa"  # no "flash" in the name: transformers would look for a flash-attention kernel
+
+
+def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA one query at a time over its own causal prefix: the call one-token decoding
+    makes (one query, no mask). Batch 1 without padding, as in the DFlash loop."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    rows = []
+    for i in range(q_len):
+        seen = kv_len - q_len + i + 1
+        out, _ = sdpa_attention_forward(module, query[:, :, i:i + 1], key[:, :, :seen], value[:, :, :seen],
+                                        None, **kwargs)
+        rows.append(out)
+    return torch.cat(rows, dim=1), None
+
+
+def _rowwise_linear(self, x):
+    rows = x.shape[-2] if x.dim() >= 2 else 1
+    if rows == 1:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return torch.cat([torch.nn.functional.linear(x[..., i:i + 1, :], self.weight, self.bias)
+                      for i in range(rows)], dim=-2)
+
+
+@contextlib.contextmanager
+def rowwise_verify(model):
+    """Within the block, `model` computes every linear layer one row at a time and
+    attention one query at a time (see the module docstring)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    before = model.config._attn_implementation
+    for m in linears:
+        m.forward = types.MethodType(_rowwise_linear, m)
+    model.set_attn_implementation(ROWWISE_ATTENTION)
+    try:
+        yield model
+    finally:
+        for m in linears:
+            del m.forward  # back to the class's forward
+        model.set_attn_implementation(before)
+
+
+def _forward(model, ids, cache):
+    """Logits [n, V] of one pass over ids [1, n], extending `cache` (the DFlash loop's call)."""
+    return TargetRunner(model)(ids, cache, hidden_states=False)[0][0]
+
+
+@torch.no_grad()
+def compare(model, prompt_ids, sizes):
+    """Greedy-decode max(sizes) tokens one at a time from `prompt_ids`, then run the first B
+    of them as one verify pass, plain and row-wise, for each B of `sizes`: per B and kind,
+    how many of the B logit rows equal decoding's bitwise / in their argmax, and the largest
+    difference. Also returns the cache (at the prompt), the greedy block and its context."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = _forward(model, torch.tensor([prompt_ids]), cache)
+    context = cache.get_seq_length()
+    tokens, decoded = [int(logits[-1].argmax())], []
+    for _ in range(max(sizes)):
+        row = _forward(model, torch.tensor([[tokens[-1]]]), cache)[-1]
+        decoded.append(row)
+        tokens.append(int(row.argmax()))
+    decoded = torch.stack(decoded).float()
+    block = torch.tensor([tokens[:max(sizes)]])
+    result = {}
+    for b in sizes:
+        for kind in ("verify", "rowwise"):
+            _crop(cache, context)
+            with rowwise_verify(model) if kind == "rowwise" else contextlib.nullcontext():
+                got = _forward(model, block[:, :b], cache).float()
+            want = decoded[:b]
+            result[b, kind] = dict(rows=b, bitwise_rows=int((got == want).all(-1).sum()),
+                                   argmax_rows=int((got.argmax(-1) == want.argmax(-1)).sum()),
+                                   max_abs_diff=float((got - want).abs().max()))
+    _crop(cache, context)
+    return result, cache, block, context
+
+
+def time_passes(model, cache, block, context, sizes, timing):
+    """Median ms of one one-token forward and of a plain and a row-wise verify over B tokens
+    (the cache cropped back to the prompt after each call)."""
+    def run(ids):
+        def fn():
+            with torch.no_grad():
+                _forward(model, ids, cache)
+            _crop(cache, context)
+        return fn
+    ms, info = _common.measure({"one": run(block[:, :1]), **{f"verify{b}": run(block[:, :b]) for b in sizes}},
+                               **timing)
+    with rowwise_verify(model):
+        row_ms, row_info = _common.measure({f"rowwise{b}": run(block[:, :b]) for b in sizes}, **timing)
+    ms.update(row_ms)
+    info["noisy"] |= row_info["noisy"]
+    return ms, info
+
+
+def main(argv=None) -> int:
+    ap = _common.arg_parser(__doc__, "verify_numerics", budget=(0.5, 0.1), max_s=(3.0, 0.5),
+                            quick_help="smoke test: one prompt, short timing")
+    ap.add_argument("--target", default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bfloat16", "float32"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 3, 4, 8, 16], help="verify block sizes B")
+    ap.add_argument("--n", type=int, default=None, help="prompts per set (HumanEval, MT-Bench; default 4, quick 1)")
+    ap.set_defaults(json=os.path.join(OUT_DIR, "verify_numerics.json"))
+    args = ap.parse_args(argv)
+    if args.device != "cpu":
+        sys.exit("verify_numerics.py: --device cpu only (the row-wise verify is a CPU experiment)")
+    if min(args.sizes) < 2:
+        sys.exit("verify_numerics.py: --sizes must be >= 2 (B = 1 is one-token decoding)")
+    device, _ = _common.start(args, op_names=(), prog="verify_numerics.py")
+    from dflash_ext.models import load_target
+    from dflash_ext.prompts import load_prompts
+
+    n_prompts = args.n or (1 if args.quick else 4)
+    texts = load_prompts("humaneval", n_prompts) + load_prompts("mtbench", n_prompts)
+    rows = []
+    for dtype_name in args.dtype:
+        model, tok = load_target(args.target, dtype=DTYPES[dtype_name])
+        model.set_attn_implementation("sdpa")
+        agg = {}
+        for text in texts:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"]
+            result, cache, block, context = compare(model, ids, args.sizes)
+            for key, r in result.items():
+                a = agg.setdefault(key, dict(rows=0, bitwise_rows=0, argmax_rows=0, max_abs_diff=0.0))
+                for k in ("rows", "bitwise_rows", "argmax_rows"):
+                    a[k] += r[k]
+                a["max_abs_diff"] = max(a["max_abs_diff"], r["max_abs_diff"])
+        # Timing on the last prompt's context (its cache and greedy block).
+        ms, info = time_passes(model, cache, block, context, args.sizes, _common.timing(args))
+        for b in args.sizes:
+            rows.append(dict(dtype=dtype_name, block_size=b, context=context, one_ms=ms["one"],
+                             verify_x=ms[f"verify{b}"] / ms["one"], rowwise_x=ms[f"rowwise{b}"] / ms["one"],
+                             verify_ms=ms[f"verify{b}"], rowwise_ms=ms[f"rowwise{b}"], noisy=info["noisy"],
+                             **{f"{kind}_{k}": v for kind in ("verify", "rowwise") for k, v in agg[b, kind].items()}))
+        del model
+    meta = _common.metadata(device, prompts=len(texts), sizes=args.sizes)
+    print(f"# verify numerics vs one-token decoding | {_common.header(meta)}")
+    print(f"# {len(texts)} prompts (HumanEval, MT-Bench), a verify over each one's first B greedy tokens; "
+          f"agreement counted over all prompts' rows, times on the last prompt (context {rows[-1]['context']})")
+    print(format_table(rows, [
+        ("dtype", "dtype", "{}"), ("block_size", "B", "{}"),
+        ("verify_bitwise_rows", "verify: bitwise rows", lambda r: f"{r['verify_bitwise_rows']}/{r['verify_rows']}"),
+        ("verify_argmax_rows", "same argmax", lambda r: f"{r['verify_argmax_rows']}/{r['verify_rows']}"),
+        ("verify_max_abs_diff", "max |diff|", "{:.2e}"),
+        ("rowwise_bitwise_rows", "row-wise: bitwise rows",
+         lambda r: f"{r['rowwise_bitwise_rows']}/{r['rowwise_rows']}"),
+        ("rowwise_max_abs_diff", "max |diff|", "{:.2e}"),
+        ("one_ms", "1 token ms", "{:.1f}"),
+        ("verify_x", "verify B / 1 token", "{:.2f}x"), ("rowwise_x", "row-wise B / 1 token", "{:.2f}x"),
+    ]))
+    if any(r["noisy"] for r in rows):
+        print("# some timings stayed noisy (IQR / median >= 10 %): is the machine busy?")
+    if args.json:
+        _common.write_json(args.json, dict(metadata=meta, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
