@@ -7,6 +7,10 @@ vocabulary where the run has one, as at inference). A run continued from another
 
     .venv/bin/python bench/learning_curve.py data/train-b16/eval.jsonl data/train-b8/eval.jsonl+4169144 \
         --png bench/results/learning_curve.png
+
+The logs of the shipped drafter's runs are kept in bench/results/training/<run>/eval.jsonl
+(the first four transcribed from the tables the script printed then: step, slot-tokens,
+tau and P(first 1 / 2 / 4 ok) only, as ``p1``, ``p2``, ``p4``).
 """
 import argparse
 import json
@@ -15,6 +19,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+
+
+def first_ok(row) -> dict:
+    """P(first 1 / 2 / 4 drafts accepted) of one eval row: from its profile (``accept[j]`` =
+    P(first j+1 ok)), or as stored in a transcribed log (p1, p2, p4 only)."""
+    if "accept" in row:
+        return dict(p1=row["accept"][0], p2=row["accept"][1], p4=row["accept"][3])
+    return dict(p1=row["p1"], p2=row["p2"], p4=row["p4"])
 
 
 def main(argv=None):
@@ -31,8 +43,7 @@ def main(argv=None):
         for r in rows:
             r["slot_tokens"] += int(offset or 0)
         label = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        table = [dict(step=r["step"], slot_tokens=r["slot_tokens"], tau=r["tau"], p1=r["accept"][0],
-                      p2=r["accept"][1], p4=r["accept"][3]) for r in rows]
+        table = [dict(step=r["step"], slot_tokens=r["slot_tokens"], tau=r["tau"], **first_ok(r)) for r in rows]
         print(_common.format_table(table, [
             ("step", "step", "{}"), ("slot_tokens", "slot-tokens", "{:,}"), ("tau", "held-out tau", "{:.3f}"),
             ("p1", "P(1st draft ok)", "{:.3f}"), ("p2", "P(first 2 ok)", "{:.3f}"), ("p4", "P(first 4 ok)", "{:.3f}")],

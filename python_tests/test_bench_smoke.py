@@ -290,3 +290,19 @@ def test_verify_numerics_quick(tmp_path):
         assert r["verify_rows"] == r["rowwise_rows"] == 2 * r["block_size"]  # one HumanEval + one MT-Bench prompt
         assert r["rowwise_bitwise_rows"] == r["rowwise_rows"]
         assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0
+
+
+# --------------------------------------------------------------------------- learning_curve.py
+
+def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
+    first, second = tmp_path / "run-a", tmp_path / "run-b"
+    first.mkdir(), second.mkdir()
+    (first / "eval.jsonl").write_text(json.dumps(
+        dict(step=50, slot_tokens=1000, tau=1.25, accept=[0.2, 0.04, 0.01, 0.003, 0.0])) + "\n")
+    (second / "eval.jsonl").write_text(json.dumps(dict(step=10, slot_tokens=200, tau=1.3, p1=0.25, p2=0.05,
+                                                       p4=0.002)) + "\n")
+    proc = _run("learning_curve.py", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000"])
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:1] == " " or line[:1].isdigit()]
+    assert ["50", "1,000", "1.250", "0.200", "0.040", "0.003"] in rows
+    assert ["10", "1,200", "1.300", "0.250", "0.050", "0.002"] in rows  # the offset is added
+    assert "# run-a:" in proc.stdout and "# run-b:" in proc.stdout
