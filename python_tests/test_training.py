@@ -8,7 +8,7 @@ import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
-from dflash_ext.training.data import compute_features
+from dflash_ext.training.data import compute_features, target_features
 from dflash_ext.training.recipe import IGNORE, block_labels, block_mask, loss_weights, sample_anchors
 from dflash_ext.training.trainer import FrozenTargetParts, TrainConfig, sequence_loss, tau_of, train
 from decoding_helpers import tiny_target, tiny_target_config
@@ -58,6 +58,16 @@ def test_anchors_stay_inside_the_response():
         assert (a >= start).all() and (a <= S - 2).all() and a.unique().numel() == a.numel()
     assert sample_anchors(10, 12, 4, 8).tolist() == [10]  # one label left: still an anchor
     assert sample_anchors(11, 12, 4, 8).numel() == 0
+
+
+def test_target_features_are_the_models_hidden_states():
+    """The decoder-only pass (no LM head) gives the causal LM's own hidden states."""
+    target = tiny_target()
+    ids = torch.randint(0, 128, (23,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = target(input_ids=ids[None], output_hidden_states=True).hidden_states
+    got = target_features(target, ids, [0, 3, 5])
+    assert torch.equal(got, torch.cat([hs[1][0], hs[4][0], hs[6][0]], -1))
 
 
 def test_training_forward_equals_the_inference_draft_step():

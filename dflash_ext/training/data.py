@@ -102,8 +102,9 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
 @torch.no_grad()
 def target_features(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """[S, k*H]: the hidden states of `layer_ids` (layer l = HF ``hidden_states[l+1]``)
-    of one sequence ``input_ids [S]``, concatenated in `layer_ids` order."""
-    hs = target(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+    of one sequence ``input_ids [S]``, concatenated in `layer_ids` order. Runs the
+    target's decoder only: its LM head (49,152 logits a token on SmolLM2) is not needed."""
+    hs = target.get_decoder()(input_ids=input_ids[None], output_hidden_states=True).hidden_states
     return torch.cat([hs[l + 1][0] for l in layer_ids], -1)
 
 
