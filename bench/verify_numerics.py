@@ -79,9 +79,9 @@ def rowwise_verify(model):
         model.set_attn_implementation(before)
 
 
-def _forward(model, ids, cache):
+def _forward(runner, ids, cache):
     """Logits [n, V] of one pass over ids [1, n], extending `cache` (the DFlash loop's call)."""
-    return TargetRunner(model)(ids, cache, hidden_states=False)[0][0]
+    return runner(ids, cache, hidden_states=False)[0][0]
 
 
 @torch.no_grad()
@@ -92,12 +92,13 @@ def compare(model, prompt_ids, sizes):
     difference. Also returns the cache (at the prompt), the greedy block and its context."""
     from transformers import DynamicCache
 
+    runner = TargetRunner(model)
     cache = DynamicCache(config=model.config)
-    logits = _forward(model, torch.tensor([prompt_ids]), cache)
+    logits = _forward(runner, torch.tensor([prompt_ids]), cache)
     context = cache.get_seq_length()
     tokens, decoded = [int(logits[-1].argmax())], []
     for _ in range(max(sizes)):
-        row = _forward(model, torch.tensor([[tokens[-1]]]), cache)[-1]
+        row = _forward(runner, torch.tensor([[tokens[-1]]]), cache)[-1]
         decoded.append(row)
         tokens.append(int(row.argmax()))
     decoded = torch.stack(decoded).float()
@@ -107,7 +108,7 @@ def compare(model, prompt_ids, sizes):
         for kind in ("verify", "rowwise"):
             _crop(cache, context)
             with rowwise_verify(model) if kind == "rowwise" else contextlib.nullcontext():
-                got = _forward(model, block[:, :b], cache).float()
+                got = _forward(runner, block[:, :b], cache).float()
             want = decoded[:b]
             result[b, kind] = dict(rows=b, bitwise_rows=int((got == want).all(-1).sum()),
                                    argmax_rows=int((got.argmax(-1) == want.argmax(-1)).sum()),
@@ -119,10 +120,12 @@ def compare(model, prompt_ids, sizes):
 def time_passes(model, cache, block, context, sizes, timing):
     """Median ms of one one-token forward and of a plain and a row-wise verify over B tokens
     (the cache cropped back to the prompt after each call)."""
+    runner = TargetRunner(model)  # once: the timed calls are the forward and the crop alone
+
     def run(ids):
         def fn():
             with torch.no_grad():
-                _forward(model, ids, cache)
+                _forward(runner, ids, cache)
             _crop(cache, context)
         return fn
     ms, info = _common.measure({"one": run(block[:, :1]), **{f"verify{b}": run(block[:, :b]) for b in sizes}},
