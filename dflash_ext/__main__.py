@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -119,24 +120,38 @@ def cmd_generate(args):
 
 def cmd_gen_data(args):
     from .drafter import default_target_layer_ids
+    from .hardware import cpu_description
     from .models import load_target
-    from .prompts import load_prompts
-    from .training.data import compute_features, generate_responses
+    from .prompts import TRAINING_SOURCES, training_prompts
+    from .training.data import compute_features, generate_responses, load_records
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
     layer_ids = args.layer_ids or default_target_layer_ids(model.config.num_hidden_layers, args.num_features)
-    prompts = load_prompts("sharegpt", args.n, offset=0)
+    prompts = training_prompts(args.prompts)[:args.n]
+    id_base = TRAINING_SOURCES[args.prompts][1]
+    before = len(load_records(args.out)) if os.path.isdir(args.out) else 0
+    start = time.perf_counter()
     n = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size)
+                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, id_base=id_base)
+    seconds = time.perf_counter() - start
+    records = load_records(args.out)
     if not args.no_features:
         compute_features(model, args.out, layer_ids)
+    meta = {"target": args.target or "SmolLM2-135M-Instruct (embedded default)", "records": n,
+            "dtype": str(dtype).replace("torch.", ""), "target_layer_ids": layer_ids,
+            "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+            "batch_size": args.batch_size, "prompts": f"{args.prompts}: its first {len(prompts)} prompts "
+                                                     f"(record ids from {id_base})",
+            "response_tokens": sum(len(r["input_ids"]) - r["response_start"] for r in records),
+            "this_run": {"responses": n - before, "seconds": round(seconds, 1),
+                         "responses_per_hour": round((n - before) * 3600 / seconds) if seconds else None,
+                         "cpu": cpu_description()}}
     with open(os.path.join(args.out, "meta.json"), "w") as f:
-        json.dump({"target": args.target or "SmolLM2-135M-Instruct (embedded default)", "records": n,
-                   "target_layer_ids": layer_ids, "max_new_tokens": args.max_new_tokens,
-                   "prompts": "sharegpt first turns, records 0..%d" % (args.n - 1)}, f, indent=2)
-    print(f"[dflash_ext] {n} records with features in {args.out}", file=sys.stderr)
+        json.dump(meta, f, indent=2)
+    print(f"[dflash_ext] {n} records in {args.out} ({n - before} new in {seconds:.0f} s)"
+          + ("" if args.no_features else ", with features"), file=sys.stderr)
 
 
 def cmd_train(args):
@@ -221,10 +236,12 @@ def main(argv=None):
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", default=None, help="write the statistics to this JSON file")
-    d = sub.add_parser("gen-data", help="regenerate ShareGPT responses with the target + cache its features")
+    d = sub.add_parser("gen-data", help="answer training prompts with the target (its own responses) + cache its features")
     d.add_argument("--out", required=True)
     d.add_argument("--target", default=None)
-    d.add_argument("--n", type=int, default=512, help="ShareGPT prompts to answer (from record 0)")
+    d.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "sharegpt-later-turns", "stdlib-code"],
+                   help="training prompt source (never an evaluation set; dflash_ext/prompts.py says what each is)")
+    d.add_argument("--n", type=int, default=512, help="the source's first N prompts to answer")
     d.add_argument("--max-new-tokens", type=int, default=160)
     d.add_argument("--max-prompt-tokens", type=int, default=256)
     d.add_argument("--batch-size", type=int, default=64)
@@ -236,7 +253,9 @@ def main(argv=None):
                    help="target dtype for generation; auto = bfloat16 where the CPU has bf16 units")
     d.add_argument("--threads", type=int, default=2)
     t = sub.add_parser("train", help="train a DFlash drafter on a gen-data folder (torchrun for data parallel)")
-    t.add_argument("--data", required=True)
+    t.add_argument("--data", required=True, help="gen-data folder; its highest ids are the held-out records")
+    t.add_argument("--extra-data", nargs="*", default=None,
+                   help="more gen-data folders (other prompt sources), training only: never held out")
     t.add_argument("--out", required=True, help="checkpoint folder (reference format); resumes if it has a trainer state")
     t.add_argument("--target", default=None)
     t.add_argument("--num-layers", type=int, default=None)

@@ -282,9 +282,15 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
 
 
+def cache_kwarg(model) -> str:
+    """The name of the KV-cache argument of a Hugging Face model's forward: recent
+    transformers name it `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TargetRunner:
-    """One target's forward as the loop calls it. The signature is inspected once (recent
-    transformers name the cache argument `cache`, older ones `past_key_values`), and
+    """One target's forward as the loop calls it. The signature is inspected once
+    (:func:`cache_kwarg`), and
     only the hidden states the drafter reads are asked for where transformers can select
     them (5.x takes a list of indices in `output_hidden_states`; the tuple keeps its layout,
     with None elsewhere); otherwise, or if the model returns None for one of them, all."""
@@ -292,7 +298,7 @@ class TargetRunner:
     def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
         self.target = target
         self.device = next(target.parameters()).device
-        self.cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        self.cache_arg = cache_kwarg(target)
         self.needed = [l + 1 for l in layer_ids] if layer_ids else []
         self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
 

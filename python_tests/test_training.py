@@ -8,9 +8,10 @@ import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
-from dflash_ext.training.data import compute_features, target_features
+from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
 from dflash_ext.training.recipe import IGNORE, block_labels, block_mask, loss_weights, sample_anchors
-from dflash_ext.training.trainer import FrozenTargetParts, TrainConfig, sequence_loss, tau_of, train
+from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
+                                        tau_of, train)
 from decoding_helpers import tiny_target, tiny_target_config
 
 
@@ -222,3 +223,90 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert not torch.equal(again.fc.weight, DFlashDrafter.from_pretrained(cfg.out).fc.weight.float())
     reloaded = DFlashDrafter.from_pretrained(cont.out)
     assert reloaded.config.block_size == 3 and len(reloaded.acceptance_profile) == 2
+
+
+def _records(ids, prompt_of=lambda i: [i % 100 + 3, 7]):
+    return [{"id": i, "input_ids": prompt_of(i) + [5, 6, 7, 8], "response_start": 2} for i in ids]
+
+
+def test_heldout_records_whose_prompt_was_trained_on_are_dropped():
+    records = _records(range(10), prompt_of=lambda i: [3, 7] if i in (2, 8) else [i + 10, 7])
+    training, heldout = split_holdout(records, 3)
+    assert [r["id"] for r in training] == list(range(7))
+    assert [r["id"] for r in heldout] == [7, 9]  # 8 repeats 2's prompt
+
+
+def _write(folder, records):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "responses-00000.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_extra_data_is_trained_on_and_never_held_out(tmp_path):
+    _write(tmp_path / "main", _records(range(8)))
+    _write(tmp_path / "code", _records(range(2_000_000, 2_000_005)))
+    cfg = TrainConfig(data=str(tmp_path / "main"), out="", holdout=2, features="live",
+                      extra_data=[str(tmp_path / "code")])
+    features = _Features(cfg, tiny_target(), [1, 3, 4], "cpu", torch.float32)
+    training, heldout = _split_records(cfg, features)
+    assert [r["id"] for r in heldout] == [6, 7]
+    assert sorted(r["id"] for r in training) == list(range(6)) + list(range(2_000_000, 2_000_005))
+    _write(tmp_path / "clash", _records([3, 2_000_009]))
+    with pytest.raises(ValueError, match="extra_data folder .*clash repeats record ids .*e.g. 3"):
+        _split_records(TrainConfig(**{**cfg.__dict__, "extra_data": [str(tmp_path / "clash")]}), features)
+
+
+def test_extra_data_needs_live_features(tmp_path):
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=3, new_tokens=10)
+    _write(tmp_path / "more", _records([100]))
+    cfg = TrainConfig(data=data, out="", features="cached", extra_data=[str(tmp_path / "more")])
+    with pytest.raises(ValueError, match="extra_data needs live features"):
+        _split_records(cfg, _Features(cfg, target, [1, 3, 4], "cpu", torch.float32))
+
+
+class _ChatTokenizer:
+    """The three things generate_responses asks of a tokenizer."""
+    pad_token_id, eos_token_id = 0, 1
+
+    def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+        return {"input_ids": [2] + [3 + ord(c) % 100 for c in messages[0]["content"]] + [2]}
+
+
+def test_generated_records_take_ids_from_the_base_and_resume(tmp_path):
+    target = tiny_target()
+    prompts = ["abc", "defgh", "x" * 40, "ij"]
+    n = generate_responses(target, _ChatTokenizer(), prompts[:2], str(tmp_path), max_new_tokens=5,
+                           max_prompt_tokens=20, batch_size=2, id_base=500)
+    assert n == 2
+    n = generate_responses(target, _ChatTokenizer(), prompts, str(tmp_path), max_new_tokens=5,
+                           max_prompt_tokens=20, batch_size=2, id_base=500)  # resumes: only "ij" is new
+    records = load_records(str(tmp_path))
+    assert n == 3 and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
+    for r, p in zip(records, [prompts[0], prompts[1], prompts[3]]):
+        prompt = _ChatTokenizer().apply_chat_template([{"content": p}], True, True)["input_ids"]
+        assert r["input_ids"][:r["response_start"]] == prompt
+        # greedy: the target's own continuation of the prompt (batched with left padding)
+        assert r["input_ids"][r["response_start"]:] == target_generate(target, prompt, 5).tokens[:len(r["input_ids"]) - r["response_start"]]
+
+
+def test_greedy_batch_makes_the_tokens_of_hf_generate_while_dropping_finished_rows():
+    target = tiny_target()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    eos = target_generate(target, prompts[0], 4).tokens[3]  # a token this target emits: rows end early
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+    got = greedy_batch(target, ids, mask, 24, eos)
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)[:, width:].tolist()
+    lengths = set()
+    for g_row, r_row in zip(got, ref):
+        want = r_row[:r_row.index(eos) + 1] if eos in r_row else r_row
+        assert g_row == want
+        lengths.add(len(g_row))
+    assert len(lengths) > 1 and got[0][-1] == eos  # rows did leave the batch at different steps

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 import torch
@@ -68,6 +68,7 @@ class TrainConfig:
     eval_stride: int = 4        # held-out anchors: every eval_stride-th response position
     init: str = "random"        # random | target (layers from the target's last layers) | a drafter folder
     loss_vocab: int = 0         # softmax of the loss over the K most frequent response tokens (0: all)
+    extra_data: List[str] = field(default_factory=list)  # more gen-data folders: training only, never held out
 
 
 class FrozenTargetParts(torch.nn.Module):
@@ -231,10 +232,26 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
 
 
 def _split_records(cfg: TrainConfig, features: "_Features"):
-    """(training records, held-out records): the `holdout` highest ids are held out."""
-    records = [r for r in load_records(cfg.data)
-               if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
-    return split_holdout(records, cfg.holdout)
+    """(training records, held-out records): the `holdout` highest ids of `cfg.data` are
+    held out (so the held-out set stays the same whatever `cfg.extra_data` adds), and the
+    records of the `cfg.extra_data` folders are training records."""
+    def usable(folder):
+        return [r for r in load_records(folder)
+                if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
+
+    records, heldout = split_holdout(usable(cfg.data), cfg.holdout)
+    if cfg.extra_data and features.store is not None:
+        raise ValueError("extra_data needs live features (features='live'): the feature cache is per folder")
+    seen = {r["id"] for r in records + heldout}
+    for folder in cfg.extra_data:
+        extra = usable(folder)
+        clash = seen & {r["id"] for r in extra}
+        if clash:
+            raise ValueError(f"extra_data folder {folder} repeats record ids of the folders before it "
+                             f"(e.g. {min(clash)}): generate each prompt source with its own id base")
+        seen |= {r["id"] for r in extra}
+        records += extra
+    return records, heldout
 
 
 def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="cpu"):
