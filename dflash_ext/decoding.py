@@ -252,7 +252,8 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
         c(B) = draft step (the whole trained block, the same for every B > 1) + target pass over B tokens
         B*   = argmax_B E(B) / c(B)
 
-    B = 1 is the target alone (E = 1, no draft step): chosen where drafting does not pay.
+    B = 1 is the target alone (E = 1, no draft step, a pass without hidden states, as
+    :func:`spec_generate` then runs it): chosen where drafting does not pay.
 
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
     by training); without one nothing is timed and the trained block size is kept. c(B)
@@ -270,7 +271,7 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     draft_s = _median_seconds(lambda: proposer.propose(1, context_len, trained - 1))
 
     def verify(n):
-        runner(ids[:, :n], cache)
+        runner(ids[:, :n], cache, hidden_states=n > 1)
         _crop(cache, ids.shape[1])
 
     expected, seconds, speed = {}, {}, {}
@@ -299,21 +300,25 @@ class TargetRunner:
         self.target = target
         self.device = next(target.parameters()).device
         self.cache_arg = cache_kwarg(target)
+        self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
         self.needed = [l + 1 for l in layer_ids] if layer_ids else []
         self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
 
-    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True):
-        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n]."""
+    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False):
+        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n];
+        `last_logits_only`: logits [1, 1, V] of the last position only (a prefill needs no
+        more; as in `generate`, which also rounds them the same way then)."""
         want = self.select if hidden_states else False
         before = cache.get_seq_length() if cache is not None else 0
-        out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache})
+        keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
+        out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
         hs = out.hidden_states
         if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
                                                       for i in self.needed):
             self.select = True  # this model cannot select: ask for all from now on, and redo this pass
             if cache is not None:
                 _crop(cache, before)
-            return self(ids, cache, hidden_states)
+            return self(ids, cache, hidden_states, last_logits_only)
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
@@ -449,6 +454,9 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         B = block_size or trained
         if not isinstance(B, int) or B < 1:
             raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
+        if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
+            return target_generate(target, ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p,
+                                   generator, on_tokens, streamer)
         # The drafter always writes at least the block it was trained on (same cost, the
         # trained problem); the target verifies the first B tokens of it.
         n_draft = max(B, trained) - 1
@@ -470,7 +478,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
 
     start = time.perf_counter()
     clock = _PhaseClock(device)
-    logits, hidden, cache = runner(ids, None)
+    logits, hidden, cache = runner(ids, None, last_logits_only=True)
     clock("verify")
     state = DecodeState(cache, int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
     res.time_to_first_token = time.perf_counter() - start
@@ -510,7 +518,7 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
     start = time.perf_counter()
     cache, done = None, False
     while not done:
-        logits, _, cache = runner(ids, cache, hidden_states=False)
+        logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)
         t = int(sample_token(logits[0, -1:], **sampling)[0])
         if not res.tokens:
             res.time_to_first_token = time.perf_counter() - start

@@ -164,9 +164,19 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     drafter.acceptance_profile = [0.95 ** j for j in range(1, 8)]  # with flat costs: the longest block
     assert choose_block_size(target, drafter, 12).block_size == 8
     monkeypatch.undo()
+    calls = []
+    real_call = decoding.TargetRunner.__call__
+    monkeypatch.setattr(decoding.TargetRunner, "__call__", lambda self, ids, cache, hidden_states=True, **kw: (
+        calls.append((ids.shape[1], hidden_states)), real_call(self, ids, cache, hidden_states, **kw))[1])
+    choose_block_size(target, drafter, 12)
+    assert (1, False) in calls and (1, True) not in calls  # B = 1 timed as the target alone runs
+    calls.clear()
+    monkeypatch.setattr(decoding, "DFlashProposer", None)  # B = 1 never builds a proposer
     alone = spec_generate(target, drafter, PROMPTS[2], 20, block_size=1)
+    monkeypatch.undo()
     assert alone.tokens == target_generate(target, PROMPTS[2], 20).tokens
-    assert alone.acceptance_lengths == [1] * 19 and alone.draft_time < 0.05 * alone.total_time
+    assert alone.acceptance_lengths == [1] * 20 and alone.draft_time == 0 and alone.block_size == 1
+    assert not any(h for _, h in calls)  # no pass asked for hidden states
     with pytest.raises(ValueError, match="block_size"):
         spec_generate(target, drafter, PROMPTS[2], 20, block_size="big")
 
@@ -228,3 +238,16 @@ def test_the_target_pass_asks_only_for_the_drafter_layers(target, monkeypatch):
     assert runner.select == wanted  # transformers 5.x selects hidden states by index
     assert all(a == wanted for a in asked)
     assert out.tokens == target_generate(target, PROMPTS[0], 12).tokens
+
+
+def test_a_prefill_computes_the_last_logits_only(target):
+    from dflash_ext.decoding import TargetRunner
+
+    runner = TargetRunner(target, [1, 3])
+    ids = torch.tensor([PROMPTS[1]])
+    full, hs_full, _ = runner(ids, None)
+    last, hs_last, _ = runner(ids, None, last_logits_only=True)
+    assert runner.can_keep_last and last.shape == (1, 1, full.shape[-1])
+    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
+    for i in (2, 4):  # the drafter still gets every position's hidden states
+        assert torch.equal(hs_last[i], hs_full[i])
