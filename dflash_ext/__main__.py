@@ -129,8 +129,8 @@ def cmd_gen_data(args):
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
     layer_ids = args.layer_ids or default_target_layer_ids(model.config.num_hidden_layers, args.num_features)
-    prompts = training_prompts(args.prompts)[:args.n]
-    id_base = TRAINING_SOURCES[args.prompts][1]
+    prompts = training_prompts(args.prompts)[args.offset:args.offset + args.n]
+    id_base = TRAINING_SOURCES[args.prompts][1] + args.offset
     before = len(load_records(args.out)) if os.path.isdir(args.out) else 0
     start = time.perf_counter()
     n = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
@@ -142,8 +142,8 @@ def cmd_gen_data(args):
     meta = {"target": args.target or "SmolLM2-135M-Instruct (embedded default)", "records": n,
             "dtype": str(dtype).replace("torch.", ""), "target_layer_ids": layer_ids,
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-            "batch_size": args.batch_size, "prompts": f"{args.prompts}: its first {len(prompts)} prompts "
-                                                     f"(record ids from {id_base})",
+            "batch_size": args.batch_size, "prompts": f"{args.prompts}: its prompts {args.offset} .. "
+                                                     f"{args.offset + len(prompts) - 1} (record ids from {id_base})",
             "response_tokens": sum(len(r["input_ids"]) - r["response_start"] for r in records),
             "this_run": {"responses": n - before, "seconds": round(seconds, 1),
                          "responses_per_hour": round((n - before) * 3600 / seconds) if seconds else None,
@@ -183,10 +183,11 @@ def cmd_eval(args):
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)
     cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
-                      eval_stride=args.eval_stride)
+                      eval_stride=args.eval_stride, extra_data=args.extra_data or [],
+                      features="live" if args.extra_data else "auto")
     tau, accept = evaluate_drafter(drafter, target, cfg)
-    print(json.dumps({"drafter": args.drafter, "data": args.data, "holdout": args.holdout,
-                      "eval_stride": args.eval_stride, "tau": tau, "accept": accept}))
+    print(json.dumps({"drafter": args.drafter, "data": args.data, "extra_data": args.extra_data,
+                      "holdout": args.holdout, "eval_stride": args.eval_stride, "tau": tau, "accept": accept}))
 
 
 def cmd_export(args):
@@ -241,7 +242,9 @@ def main(argv=None):
     d.add_argument("--target", default=None)
     d.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "sharegpt-later-turns", "stdlib-code"],
                    help="training prompt source (never an evaluation set; dflash_ext/prompts.py says what each is)")
-    d.add_argument("--n", type=int, default=512, help="the source's first N prompts to answer")
+    d.add_argument("--n", type=int, default=512, help="prompts to answer: the source's first N after --offset")
+    d.add_argument("--offset", type=int, default=0, help="skip the source's first OFFSET prompts (e.g. a held-out "
+                                                          "slice past the ones trained on)")
     d.add_argument("--max-new-tokens", type=int, default=160)
     d.add_argument("--max-prompt-tokens", type=int, default=256)
     d.add_argument("--batch-size", type=int, default=64)
@@ -289,7 +292,10 @@ def main(argv=None):
     v.add_argument("--data", required=True)
     v.add_argument("--drafter", required=True)
     v.add_argument("--target", default=None)
-    v.add_argument("--holdout", type=int, default=64)
+    v.add_argument("--holdout", type=int, default=64,
+                   help="the highest-id records of --data, less those whose prompt a training record has")
+    v.add_argument("--extra-data", nargs="*", default=None,
+                   help="the run's --extra-data folders: held-out records with one of their prompts are left out")
     v.add_argument("--eval-stride", type=int, default=8)
     v.add_argument("--threads", type=int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")

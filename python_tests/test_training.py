@@ -310,3 +310,12 @@ def test_greedy_batch_makes_the_tokens_of_hf_generate_while_dropping_finished_ro
         assert g_row == want
         lengths.add(len(g_row))
     assert len(lengths) > 1 and got[0][-1] == eos  # rows did leave the batch at different steps
+
+
+def test_heldout_records_with_an_extra_data_prompt_are_dropped(tmp_path):
+    _write(tmp_path / "main", _records(range(6)))
+    _write(tmp_path / "more", _records([2_000_000], prompt_of=lambda i: [8, 7]))  # record 5's prompt
+    cfg = TrainConfig(data=str(tmp_path / "main"), out="", holdout=2, features="live",
+                      extra_data=[str(tmp_path / "more")])
+    _, heldout = _split_records(cfg, _Features(cfg, tiny_target(), [1, 3, 4], "cpu", torch.float32))
+    assert [r["id"] for r in heldout] == [4]

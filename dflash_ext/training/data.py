@@ -21,7 +21,8 @@ from typing import Dict, Iterator, List, Sequence
 
 import torch
 
-__all__ = ["generate_responses", "target_features", "compute_features", "load_records", "split_holdout", "FeatureStore"]
+__all__ = ["generate_responses", "greedy_batch", "target_features", "compute_features", "load_records",
+           "split_holdout", "drop_trained_prompts", "FeatureStore"]
 
 
 def _records_in(folder: str) -> List[dict]:
@@ -47,8 +48,13 @@ def split_holdout(records: List[dict], holdout: int):
     among the training records, answered the same), which measure memory, not drafting."""
     heldout = records[len(records) - holdout:] if holdout else []
     training = records[:len(records) - len(heldout)]
+    return training, drop_trained_prompts(heldout, training)
+
+
+def drop_trained_prompts(heldout: List[dict], training: List[dict]) -> List[dict]:
+    """The held-out records whose prompt is no training record's prompt."""
     seen = {_prompt(r) for r in training}
-    return training, [r for r in heldout if _prompt(r) not in seen]
+    return [r for r in heldout if _prompt(r) not in seen]
 
 
 @torch.no_grad()

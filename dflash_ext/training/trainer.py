@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..drafter import DFlashDrafter, default_target_layer_ids
 from ..hardware import fastest_dtype
-from .data import FeatureStore, load_records, split_holdout, target_features
+from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
 
 __all__ = ["TrainConfig", "train", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
@@ -233,8 +233,9 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
 
 def _split_records(cfg: TrainConfig, features: "_Features"):
     """(training records, held-out records): the `holdout` highest ids of `cfg.data` are
-    held out (so the held-out set stays the same whatever `cfg.extra_data` adds), and the
-    records of the `cfg.extra_data` folders are training records."""
+    held out (so the held-out set stays the same whatever `cfg.extra_data` adds), less any
+    whose prompt is a training record's, and the records of the `cfg.extra_data` folders
+    are training records."""
     def usable(folder):
         return [r for r in load_records(folder)
                 if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
@@ -251,7 +252,7 @@ def _split_records(cfg: TrainConfig, features: "_Features"):
                              f"(e.g. {min(clash)}): generate each prompt source with its own id base")
         seen |= {r["id"] for r in extra}
         records += extra
-    return records, heldout
+    return records, drop_trained_prompts(heldout, records)
 
 
 def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="cpu"):
