@@ -91,19 +91,46 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-drop)
 
 
-def draft_tokens(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
-                 vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Greedy draft tokens [Bsz, B-1] from the drafter's final hidden states [Bsz, B, H]:
-    the LM head's argmax at slots 1..B-1 (slot 0 is the last accepted token). With a draft
-    vocabulary, `lm_head` gives the logits of those token ids only and `vocab` maps back."""
+def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 vocab: Optional[torch.Tensor] = None, n: Optional[int] = None) -> torch.Tensor:
+    """Greedy draft tokens [Bsz, n] from the drafter's final hidden states [Bsz, B, H]: the
+    argmax of the LM head (`weight`, `bias`) at slots 1..n (default n = B - 1; slot 0 is the
+    last accepted token). Only those n rows go through the LM head, the step's largest
+    GEMM. With a draft vocabulary, `weight` holds the rows of those token ids only and
+    `vocab` maps back."""
     Bsz, B, H = hidden.shape
-    rows = hidden.reshape(Bsz * B, H)
-    # Rows padded to a multiple of 16: on CPU, MKL runs 10 or 15 rows about 2x slower
-    # than 16 (bench/RESULTS.md, draft step breakdown).
-    rows = torch.nn.functional.pad(rows, (0, 0, 0, -rows.shape[0] % 16))
-    logits = lm_head(rows)[:Bsz * B].view(Bsz, B, -1)
-    best = logits[:, 1:].argmax(-1)
+    n = B - 1 if n is None else n
+    rows = hidden[:, 1:n + 1].reshape(Bsz * n, H)
+    pad = _lm_head_padding(rows.shape[0], weight, bias)
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    logits = F.linear(rows, weight, bias)[:Bsz * n].view(Bsz, n, -1)
+    best = logits.argmax(-1)
     return best if vocab is None else vocab[best]
+
+
+_PADDING = {}  # (rows, weight shape, dtype, bias?) -> rows to add
+
+
+def _lm_head_padding(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
+    """Rows to pad an LM-head GEMM with on CPU: 0 or up to a multiple of 16, whichever this
+    machine runs faster (measured once per shape). CPU GEMM kernels run some row counts
+    far slower than the next multiple of 16 (MKL in fp32: 10 rows about 2x slower than 16,
+    bench/RESULTS.md §2), others faster (bf16 with avx512_bf16: 3 rows in half the time of 16)."""
+    pad = -rows % 16
+    if weight.device.type != "cpu" or pad == 0:
+        return 0
+    key = (rows, tuple(weight.shape), weight.dtype, bias is not None)
+    if key not in _PADDING:
+        plain, padded = (torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in (rows, rows + pad))
+        best = {0: float("inf"), pad: float("inf")}
+        for _ in range(8):  # interleaved, the minimum of each: robust to other work on the cores
+            for p, x in ((0, plain), (pad, padded)):
+                t = time.perf_counter()
+                F.linear(x, weight, bias)
+                best[p] = min(best[p], time.perf_counter() - t)
+        _PADDING[key] = min(best, key=best.get)
+    return _PADDING[key]
 
 
 class DFlashProposer:
@@ -140,7 +167,7 @@ class DFlashProposer:
         if cuda_graph and not (on_cuda and fused):
             raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")
         self.cuda_graph = on_cuda and fused if cuda_graph is None else cuda_graph
-        self._graphs = {}  # n drafted tokens -> _CapturedDraftStep
+        self._graphs = {}  # (mask tokens in the block, tokens kept) -> _CapturedDraftStep
         self.vocab = self.vocab_head = self.vocab_bias = None
         if drafter.draft_vocab is not None:  # cached on the drafter: gathered once, not per generation
             self.vocab, self.vocab_head, self.vocab_bias = drafter.draft_vocab_head(self.lm_head)
@@ -155,29 +182,34 @@ class DFlashProposer:
 
     @torch.no_grad()
     def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
-        """n draft tokens following `last_token` at `position`."""
-        if position + n >= self.position_limit:
-            raise RuntimeError(f"a block at position {position} of {n + 1} tokens runs past the "
+        """n draft tokens following `last_token` at `position`. The drafter always runs
+        over at least the block it was trained on (the same cost, and the problem it
+        learned: fewer mask tokens change every slot's attention), and the LM head runs
+        on the first n slots only."""
+        width = max(n, self.drafter.config.block_size - 1)  # mask tokens in the block
+        if position + width >= self.position_limit:
+            raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
                                f"{self.position_limit} positions this proposer was made for")
         if self.cuda_graph:
-            step = self._graphs.get(n)
+            step = self._graphs.get((width, n))
             if step is None:
-                step = self._graphs[n] = _CapturedDraftStep(self, n)
+                step = self._graphs[(width, n)] = _CapturedDraftStep(self, width, n)
             return step(last_token, position)
-        ids = torch.full((1, n + 1), self.mask_token_id, dtype=torch.long, device=self.device)
+        ids = torch.full((1, width + 1), self.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, :1].fill_(last_token)
-        return self.draft_step(ids, torch.arange(position, position + n + 1, device=self.device)[None])
+        return self.draft_step(ids, torch.arange(position, position + width + 1, device=self.device)[None], n)
 
-    def draft_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The draft tokens [n] for the block `ids` [1, n + 1] at `positions` [1, n + 1]:
+    def draft_step(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n draft tokens for the block `ids` [1, width + 1] at `positions`:
         everything a captured step replays (no host reads on CUDA)."""
         embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused, rope=self.rope,
                                            validate=self.validate)
         if self.vocab is None:
-            return draft_tokens(hidden.to(self.lm_head.weight.dtype), self.lm_head)[0]
-        return draft_tokens(hidden.to(self.vocab_head.dtype), lambda rows: F.linear(rows, self.vocab_head, self.vocab_bias),
-                            self.vocab)[0]
+            head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        else:
+            head = self.vocab_head, self.vocab_bias
+        return draft_tokens(hidden.to(head[0].dtype), *head, vocab=self.vocab, n=n)[0]
 
 
 def capture_cuda_graph(fn: Callable[[], torch.Tensor]):
@@ -198,7 +230,7 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor]):
 
 
 class _CapturedDraftStep:
-    """DFlashProposer.draft_step for one block size, captured in a CUDA graph: static input
+    """DFlashProposer.draft_step for one block width and kept count, captured in a CUDA graph: static input
     buffers (the block's token ids and positions), the cache and its device lengths read
     in place, one replay per draft. The attention is planned for the cache capacity, so a
     replay stays correct as the context grows. The graph holds the drafter's weights and
@@ -206,16 +238,16 @@ class _CapturedDraftStep:
     drafter must not be moved or changed meanwhile (a new proposer captures anew)."""
 
     @torch.no_grad()
-    def __init__(self, proposer: DFlashProposer, n: int):
+    def __init__(self, proposer: DFlashProposer, width: int, n: int):
         dev = proposer.device
         with torch.cuda.device(dev):
-            self._capture(proposer, n, dev)
+            self._capture(proposer, width, n, dev)
 
-    def _capture(self, proposer: DFlashProposer, n: int, dev) -> None:
-        self.ids = torch.full((1, n + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(n + 1, device=dev)[None]
+    def _capture(self, proposer: DFlashProposer, width: int, n: int, dev) -> None:
+        self.ids = torch.full((1, width + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(width + 1, device=dev)[None]
         self.positions = self.offsets.clone()
-        self.graph, self.out = capture_cuda_graph(lambda: proposer.draft_step(self.ids, self.positions))
+        self.graph, self.out = capture_cuda_graph(lambda: proposer.draft_step(self.ids, self.positions, n))
 
     def __call__(self, last_token: int, position: int) -> torch.Tensor:
         self.ids[:, :1].fill_(last_token)                     # device fills: no host round trip
@@ -249,7 +281,7 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     tokens per second on this machine:
 
         E(B) = 1 + sum_{j<B} P(the first j drafts are all accepted)   (the drafter's profile)
-        c(B) = draft step (the whole trained block, the same for every B > 1) + target pass over B tokens
+        c(B) = draft step (the whole trained block, the LM head on B - 1 slots) + target pass over B tokens
         B*   = argmax_B E(B) / c(B)
 
     B = 1 is the target alone (E = 1, no draft step, a pass without hidden states, as
@@ -268,7 +300,6 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     _, feats, cache = runner(ids, None)
     proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
     proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=runner.device))
-    draft_s = _median_seconds(lambda: proposer.propose(1, context_len, trained - 1))
 
     def verify(n):
         runner(ids[:, :n], cache, hidden_states=n > 1)
@@ -277,7 +308,8 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     expected, seconds, speed = {}, {}, {}
     for b in sizes:
         expected[b] = 1 + sum(profile[:b - 1])
-        seconds[b] = (draft_s if b > 1 else 0.0) + _median_seconds(lambda: verify(b))
+        draft_s = _median_seconds(lambda: proposer.propose(1, context_len, b - 1)) if b > 1 else 0.0
+        seconds[b] = draft_s + _median_seconds(lambda: verify(b))
         speed[b] = expected[b] / seconds[b]
     best = max(sizes, key=lambda b: speed[b])
     return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
@@ -361,12 +393,12 @@ def _no_clock(phase: str) -> None:
     pass
 
 
-def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_size: int, n_draft: int,
-                     sampling: dict, clock: Callable[[str], None] = _no_clock) -> List[int]:
+def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_size: int, sampling: dict,
+                     clock: Callable[[str], None] = _no_clock) -> List[int]:
     """One DFlash step: draft -> verify -> accept -> roll back -> inject. Returns the new
     tokens (the accepted drafts, then the target's own token) and advances `state`.
     `clock(phase)` is called as each phase ends, for the caller's timing only."""
-    draft = proposer.propose(state.last, state.pos, n_draft)[:verify_size - 1].to(runner.device) \
+    draft = proposer.propose(state.last, state.pos, verify_size - 1).to(runner.device) \
         if verify_size > 1 else torch.empty(0, dtype=torch.long, device=runner.device)
     clock("draft")
     block = torch.cat([torch.tensor([state.last], device=runner.device), draft])[None]
@@ -457,15 +489,12 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
             return target_generate(target, ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p,
                                    generator, on_tokens, streamer)
-        # The drafter always writes at least the block it was trained on (same cost, the
-        # trained problem); the target verifies the first B tokens of it.
-        n_draft = max(B, trained) - 1
-        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + n_draft + 1, fused=fused,
+        # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
+        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + max(B, trained), fused=fused,
                                   draft_window=draft_window)
         layer_ids = drafter.config.target_layer_ids
     else:
         B, proposer = block_size, drafter
-        n_draft = (B or 1) - 1 if isinstance(B, int) else 0
         layer_ids = getattr(drafter, "layer_ids", None)
     if not isinstance(B, int) or B < 1:
         raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
@@ -488,7 +517,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     clock("draft")
     while not done:
         verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-        new = speculative_step(runner, proposer, state, verify_size, n_draft, sampling, clock)
+        new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
         before = len(res.tokens)
         done = emit(new)
         res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_ext.decoding import sample_token, spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
@@ -251,3 +252,38 @@ def test_a_prefill_computes_the_last_logits_only(target):
     torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
     for i in (2, 4):  # the drafter still gets every position's hidden states
         assert torch.equal(hs_last[i], hs_full[i])
+
+
+def test_fewer_drafts_are_the_first_of_the_full_block(target):
+    from dflash_ext.decoding import DFlashProposer, TargetRunner
+
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=8, seed=1)
+    with torch.no_grad():
+        drafter.fc.weight.mul_(4)  # sharper drafts than the init: no argmax ties
+    ids = torch.tensor([PROMPTS[1]])
+    _, hidden, _ = TargetRunner(target, drafter.config.target_layer_ids)(ids, None)
+    proposer = DFlashProposer(drafter, target, capacity=64)
+    proposer.accept(hidden, slice(0, ids.shape[1]), torch.arange(ids.shape[1]))
+    full = proposer.propose(5, ids.shape[1], 7)
+    assert full.shape == (7,)
+    for n in (1, 3, 6):
+        assert torch.equal(proposer.propose(5, ids.shape[1], n), full[:n])
+    assert proposer.propose(5, ids.shape[1], 10).shape == (10,)  # wider than trained: the block grows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_padding_is_measured_and_changes_no_token(dtype, monkeypatch):
+    from dflash_ext import decoding
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 64, generator=g).to(dtype)
+    hidden = torch.randn(1, 8, 64, generator=g).to(dtype)
+    for n in (3, 7):
+        assert decoding._lm_head_padding(n, weight, None) in (0, 16 - n)
+        picks = []
+        for pad in (0, 16 - n):
+            monkeypatch.setitem(decoding._PADDING, (n, (1000, 64), dtype, False), pad)
+            picks.append(decoding.draft_tokens(hidden, weight, n=n))
+        assert torch.equal(picks[0], picks[1]) and picks[0].shape == (1, n)
+        want = F.linear(hidden[0, 1:n + 1].float(), weight.float()).argmax(-1)
+        assert (picks[0][0] == want).float().mean() >= 0.8  # bf16 rounding may flip a near tie

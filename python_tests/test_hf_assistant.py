@@ -60,7 +60,9 @@ def test_hf_path_drafts_the_blocks_spec_generate_drafts(target, monkeypatch):
     hf = hf_generate(target, assistant, PROMPTS[1], 24, do_sample=False)
     assert hf == spec.tokens
     k = min(len(ours), len(theirs))
-    assert k >= 3 and ours[:k] == theirs[:k]
+    # near the token budget our loop asks for fewer drafts of the same block
+    assert k >= 3 and [t[:len(o)] for o, t in zip(ours[:k], theirs[:k])] == ours[:k]
+    assert all(len(o) == len(t) for o, t in zip(ours[:k - 1], theirs[:k - 1]))
     assert assistant.acceptance_lengths == spec.acceptance_lengths[:len(assistant.acceptance_lengths)]
 
 
