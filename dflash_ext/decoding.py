@@ -124,11 +124,12 @@ def _lm_head_padding(rows: int, weight: torch.Tensor, bias: Optional[torch.Tenso
     if key not in _PADDING:
         plain, padded = (torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in (rows, rows + pad))
         best = {0: float("inf"), pad: float("inf")}
-        for _ in range(8):  # interleaved, the minimum of each: robust to other work on the cores
-            for p, x in ((0, plain), (pad, padded)):
-                t = time.perf_counter()
-                F.linear(x, weight, bias)
-                best[p] = min(best[p], time.perf_counter() - t)
+        with torch.no_grad():
+            for _ in range(8):  # interleaved, the minimum of each: robust to other work on the cores
+                for p, x in ((0, plain), (pad, padded)):
+                    t = time.perf_counter()
+                    F.linear(x, weight, bias)
+                    best[p] = min(best[p], time.perf_counter() - t)
         _PADDING[key] = min(best, key=best.get)
     return _PADDING[key]
 
@@ -230,8 +231,8 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor]):
 
 
 class _CapturedDraftStep:
-    """DFlashProposer.draft_step for one block width and kept count, captured in a CUDA graph: static input
-    buffers (the block's token ids and positions), the cache and its device lengths read
+    """DFlashProposer.draft_step for one block width and draft count, captured in a CUDA
+    graph: static input buffers (the block's token ids and positions), the cache and its device lengths read
     in place, one replay per draft. The attention is planned for the cache capacity, so a
     replay stays correct as the context grows. The graph holds the drafter's weights and
     the proposer's tensors by address: a proposer lives for one generation, and the
@@ -323,9 +324,8 @@ def cache_kwarg(model) -> str:
 
 class TargetRunner:
     """One target's forward as the loop calls it. The signature is inspected once
-    (:func:`cache_kwarg`), and
-    only the hidden states the drafter reads are asked for where transformers can select
-    them (5.x takes a list of indices in `output_hidden_states`; the tuple keeps its layout,
+    (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
+    are asked for where transformers can select them (5.x takes a list of indices in `output_hidden_states`; the tuple keeps its layout,
     with None elsewhere); otherwise, or if the model returns None for one of them, all."""
 
     def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
@@ -487,8 +487,9 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         if not isinstance(B, int) or B < 1:
             raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
         if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
-            return target_generate(target, ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p,
-                                   generator, on_tokens, streamer)
+            return target_generate(target, ids, max_new_tokens, temperature=temperature,
+                                   stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
+                                   on_tokens=on_tokens, streamer=streamer)
         # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
         proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + max(B, trained), fused=fused,
                                   draft_window=draft_window)
