@@ -322,6 +322,13 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def returned_cache(out):
+    """The KV cache a Hugging Face forward returned (`cache` in recent transformers,
+    `past_key_values` in older ones)."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
 class TargetRunner:
     """One target's forward as the loop calls it. The signature is inspected once
     (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
@@ -351,10 +358,7 @@ class TargetRunner:
             if cache is not None:
                 _crop(cache, before)
             return self(ids, cache, hidden_states, last_logits_only)
-        new_cache = getattr(out, "cache", None)
-        if new_cache is None:
-            new_cache = out.past_key_values
-        return out.logits, hs, new_cache
+        return out.logits, hs, returned_cache(out)
 
 
 def _can_select_hidden_states() -> bool:

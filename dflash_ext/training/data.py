@@ -64,14 +64,15 @@ def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     ``generate(do_sample=False)`` makes, except that a row leaves the batch once it has
     emitted EOS: ``generate`` computes finished rows until the longest one is done, and
     responses end at very different lengths (the mean of the shipped data is 204 of 256)."""
-    from ..decoding import cache_kwarg
+    from ..decoding import cache_kwarg, returned_cache
 
+    cache_arg = cache_kwarg(target)
     rows = list(range(input_ids.shape[0]))
     out: List[List[int]] = [[] for _ in rows]
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     step = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
-    cache = getattr(step, "cache", None) or step.past_key_values
+    cache = returned_cache(step)
     mask, pos = attention_mask, positions[:, -1:] + 1
     nxt = step.logits[:, -1].argmax(-1)
     for n in range(max_new_tokens):
@@ -87,7 +88,7 @@ def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
             rows, mask, pos, nxt = [rows[k] for k in alive], mask[keep], pos[keep], nxt[keep]
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
         step = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                      **{cache_kwarg(target): cache})
+                      **{cache_arg: cache})
         nxt, pos = step.logits[:, -1].argmax(-1), pos + 1
     return out
 

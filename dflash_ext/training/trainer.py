@@ -244,6 +244,7 @@ def _split_records(cfg: TrainConfig, features: "_Features"):
     if cfg.extra_data and features.store is not None:
         raise ValueError("extra_data needs live features (features='live'): the feature cache is per folder")
     seen = {r["id"] for r in records + heldout}
+    extras = []
     for folder in cfg.extra_data:
         extra = usable(folder)
         clash = seen & {r["id"] for r in extra}
@@ -251,8 +252,9 @@ def _split_records(cfg: TrainConfig, features: "_Features"):
             raise ValueError(f"extra_data folder {folder} repeats record ids of the folders before it "
                              f"(e.g. {min(clash)}): generate each prompt source with its own id base")
         seen |= {r["id"] for r in extra}
-        records += extra
-    return records, drop_trained_prompts(heldout, records)
+        extras += extra
+    # split_holdout already dropped the twins of cfg.data's own training records
+    return records + extras, drop_trained_prompts(heldout, extras)
 
 
 def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="cpu"):
