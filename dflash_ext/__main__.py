@@ -120,11 +120,12 @@ def cmd_generate(args):
 
 def cmd_gen_data(args):
     from .drafter import default_target_layer_ids
-    from .hardware import cpu_description
+    from .hardware import cpu_description, keep_freed_memory
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts
     from .training.data import compute_features, generate_responses, load_records
 
+    keep_freed_memory()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
@@ -159,9 +160,11 @@ def cmd_train(args):
 
     import torch.distributed as dist
 
+    from .hardware import keep_freed_memory
     from .models import load_target
     from .training.trainer import TrainConfig, train
 
+    keep_freed_memory()
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # launched by torchrun
@@ -176,9 +179,11 @@ def cmd_train(args):
 
 def cmd_eval(args):
     from .drafter import DFlashDrafter
+    from .hardware import keep_freed_memory
     from .models import load_target
     from .training.trainer import TrainConfig, evaluate_drafter
 
+    keep_freed_memory()
     torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)

@@ -501,6 +501,24 @@ class DFlashDrafter(nn.Module):
                              f"{ids.max().item() if ids.numel() else None}")
         self.draft_vocab, self.config.draft_vocab_size = ids, ids.numel()
 
+    def add_layers(self, n: int) -> None:
+        """Append `n` decoder layers (of the last layer's attention type) whose output
+        projections (o_proj, down_proj) start at zero: a new layer adds nothing to the
+        residual stream yet, so the drafter drafts exactly as before, and training grows the
+        layers from there (more capacity for a drafter that underfits, without starting over)."""
+        if n < 1:
+            raise ValueError(f"add_layers needs n >= 1, got {n}")
+        c = self.config
+        c.layer_types = list(c.layer_types) + [c.layer_types[-1]] * n
+        c.num_hidden_layers += n
+        p = self.fc.weight
+        for _ in range(n):
+            layer = DecoderLayer(c)
+            layer.apply(_init_weights)
+            nn.init.zeros_(layer.self_attn.o_proj.weight)
+            nn.init.zeros_(layer.mlp.down_proj.weight)
+            self.layers.append(layer.to(device=p.device, dtype=p.dtype))
+
     def as_assistant(self, target=None, fused: bool = True, draft_window: Optional[int] = None):
         """An ``assistant_model`` for ``target.generate(..., assistant_model=...,
         speculation_type="dflash")`` (transformers 5.x), drafting with this drafter and the

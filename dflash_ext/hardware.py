@@ -8,12 +8,14 @@ at load; ``DFLASH_CPU_ISA=<level>`` in the environment (read at import) or
 on one machine. A level above what the CPU has is an error.
 """
 import contextlib
+import ctypes
 import os
+import platform
 
 import torch
 
 __all__ = ["cpu_has_bf16_units", "cpu_description", "fastest_dtype", "ISA_LEVELS", "cpu_isa",
-           "set_cpu_isa", "forced_cpu_isa", "cpu_paths"]
+           "set_cpu_isa", "forced_cpu_isa", "cpu_paths", "keep_freed_memory"]
 
 ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx_bf16")
 # oneDNN's own cap for a forced level (it reads ONEDNN_MAX_CPU_ISA once, at its first use):
@@ -48,6 +50,21 @@ def fastest_dtype(device="cpu") -> torch.dtype:
     if torch.device(device).type == "cuda" or cpu_has_bf16_units():
         return torch.bfloat16
     return torch.float32
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning it to the kernel
+    (no mmap'd blocks, no trimming below 2 GiB of free heap top). Training allocates and
+    frees tensors of tens of MB every step (logits, attention keys); glibc serves each from
+    a fresh mmap, so every reuse faults its pages in and zeroes them again. On a 2-core KVM
+    guest (AMD EPYC) that kept 92 % of a training process's CPU time in the kernel
+    (bench/RESULTS.md section 5). Process-wide, for jobs that own their process (the CLI's
+    train, eval and gen-data); False where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def _c():

@@ -225,6 +225,58 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert reloaded.config.block_size == 3 and len(reloaded.acceptance_profile) == 2
 
 
+def test_added_layers_leave_the_drafts_unchanged_until_trained(tmp_path):
+    """add_layers appends layers whose output projections are zero: the training forward and
+    the inference draft step give what they gave before, the checkpoint round-trips with the
+    new count, and a gradient step moves the new layers off zero."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    d = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
+    c, S = d.config, 20
+    feats = torch.randn(S, len(c.target_layer_ids) * c.hidden_size)
+    anchors, emb = torch.tensor([3, 9, 15]), torch.randn(3, 4, c.hidden_size)
+
+    def draft(m, p=9):
+        cache = m.new_cache(1, 64)
+        m.add_context(cache, 0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
+        return m.draft_hidden(cache, emb[1:2], torch.arange(p, p + 4)[None])
+
+    before_train, before_draft = d(feats, emb, anchors), draft(d)
+    d.add_layers(2)
+    assert len(d.layers) == c.num_hidden_layers == 4 and len(c.layer_types) == 4
+    assert torch.equal(d(feats, emb, anchors), before_train)
+    assert torch.equal(draft(d), before_draft)
+    d.save_pretrained(tmp_path)
+    loaded = DFlashDrafter.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert loaded.config.num_hidden_layers == 4 and torch.equal(draft(loaded), before_draft)
+    loss, _, _ = sequence_loss(d, FrozenTargetParts(target), torch.randint(0, 128, (S,)), feats, anchors, 4, 4.0)
+    loss.backward()
+    assert d.layers[3].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert d.layers[3].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="n >= 1"):
+        d.add_layers(0)
+
+
+def test_a_continuation_may_add_layers_but_not_drop_them(tmp_path):
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=4, new_tokens=20)
+    base = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 3, 4])
+    base.save_pretrained(str(tmp_path / "base"))
+    cfg = TrainConfig(data=data, out=str(tmp_path / "grown"), init=str(tmp_path / "base"), num_layers=3,
+                      block_size=4, anchors=8, epochs=1, batch_size=2, max_steps=1, log_every=1,
+                      autocast="none")
+    grown = train(cfg, target, log=lambda m: None)
+    assert grown.config.num_hidden_layers == 3
+    assert DFlashDrafter.from_pretrained(cfg.out).config.num_hidden_layers == 3
+    kept = train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "kept"), "num_layers": None}), target,
+                 log=lambda m: None)
+    assert kept.config.num_hidden_layers == 2  # no num_layers: the init drafter's own count
+    with pytest.raises(ValueError, match="num_layers=1 is fewer than the 2 layers of --init"):
+        train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "fewer"), "num_layers": 1}), target,
+              log=lambda m: None)
+
+
 def _records(ids, prompt_of=lambda i: [i % 100 + 3, 7]):
     return [{"id": i, "input_ids": prompt_of(i) + [5, 6, 7, 8], "response_start": 2} for i in ids]
 

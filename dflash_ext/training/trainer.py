@@ -38,6 +38,7 @@ __all__ = ["TrainConfig", "train", "evaluate_drafter", "sequence_loss", "LossVoc
            "init_layers_from_target", "most_frequent_tokens"]
 
 STATE_NAME = "trainer_state.pt"
+FRESH_LAYERS = 5  # drafter layers of a fresh (not continued) run, as the paper's drafters
 EVAL_LOG = "eval.jsonl"
 
 
@@ -45,7 +46,7 @@ EVAL_LOG = "eval.jsonl"
 class TrainConfig:
     data: str
     out: str
-    num_layers: int = 5
+    num_layers: Optional[int] = None  # 5 for a fresh drafter; with init a folder: its own, or more (appended)
     block_size: int = 16
     anchors: int = 512          # per sequence per epoch (paper: 512)
     gamma: Optional[float] = None  # loss decay; default by block size
@@ -180,7 +181,7 @@ def _layer_ids(cfg: TrainConfig, target) -> List[int]:
     if os.path.exists(meta):
         with open(meta) as f:
             return json.load(f)["target_layer_ids"]
-    return default_target_layer_ids(target.config.num_hidden_layers, cfg.num_layers)
+    return default_target_layer_ids(target.config.num_hidden_layers, cfg.num_layers or FRESH_LAYERS)
 
 
 class _Features:
@@ -297,7 +298,8 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         drafter = DFlashDrafter.from_pretrained(cfg.out, dtype=torch.float32)
     elif drafter is None:
         torch.manual_seed(cfg.seed)
-        drafter = DFlashDrafter.from_target(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
+        drafter = DFlashDrafter.from_target(target.config, num_layers=cfg.num_layers or FRESH_LAYERS,
+                                            block_size=cfg.block_size,
                                             target_layer_ids=layer_ids, seed=cfg.seed)
         if cfg.init == "target":
             init_layers_from_target(drafter, target)
@@ -306,6 +308,12 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
             if list(drafter.config.target_layer_ids) != list(layer_ids):
                 raise ValueError(f"--init {cfg.init} reads target layers {drafter.config.target_layer_ids}, "
                                  f"the run {layer_ids}")
+            have = drafter.config.num_hidden_layers
+            if cfg.num_layers is not None and cfg.num_layers != have:
+                if cfg.num_layers < have:
+                    raise ValueError(f"num_layers={cfg.num_layers} is fewer than the {have} layers of --init "
+                                     f"{cfg.init}: a continuation can add layers, not drop them")
+                drafter.add_layers(cfg.num_layers - have)  # zero-output layers: the drafter starts unchanged
             # The layers do not depend on B, so a run may retarget a drafter to another block size.
             if drafter.config.block_size != cfg.block_size:
                 drafter.config.block_size = cfg.block_size
