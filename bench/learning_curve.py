@@ -23,9 +23,11 @@ import _common  # noqa: E402
 
 def first_ok(row) -> dict:
     """P(first 1 / 2 / 4 drafts accepted) of one eval row: from its profile (``accept[j]`` =
-    P(first j+1 ok)), or as stored in a transcribed log (p1, p2, p4 only)."""
+    P(first j+1 ok); a run at B <= 4 has no p4, and B = 2 no p2), or as stored in a
+    transcribed log (p1, p2, p4 only)."""
     if "accept" in row:
-        return dict(p1=row["accept"][0], p2=row["accept"][1], p4=row["accept"][3])
+        accept = row["accept"]
+        return {f"p{j}": accept[j - 1] if len(accept) >= j else None for j in (1, 2, 4)}
     return dict(p1=row["p1"], p2=row["p2"], p4=row["p4"])
 
 

@@ -301,8 +301,14 @@ def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
         dict(step=50, slot_tokens=1000, tau=1.25, accept=[0.2, 0.04, 0.01, 0.003, 0.0])) + "\n")
     (second / "eval.jsonl").write_text(json.dumps(dict(step=10, slot_tokens=200, tau=1.3, p1=0.25, p2=0.05,
                                                        p4=0.002)) + "\n")
-    proc = _run("learning_curve.py", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000"])
+    third = tmp_path / "run-b4"  # B = 4: three slots in the profile, no P(first 4 ok)
+    third.mkdir()
+    (third / "eval.jsonl").write_text(json.dumps(dict(step=20, slot_tokens=300, tau=1.4, accept=[0.3, 0.08, 0.02]))
+                                      + "\n")
+    proc = _run("learning_curve.py", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000",
+                                      f"{third / 'eval.jsonl'}+1200"])
     rows = [line.split() for line in proc.stdout.splitlines() if line[:1] == " " or line[:1].isdigit()]
     assert ["50", "1,000", "1.250", "0.200", "0.040", "0.003"] in rows
     assert ["10", "1,200", "1.300", "0.250", "0.050", "0.002"] in rows  # the offset is added
+    assert ["20", "1,500", "1.400", "0.300", "0.080", "-"] in rows
     assert "# run-a:" in proc.stdout and "# run-b:" in proc.stdout
