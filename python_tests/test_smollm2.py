@@ -53,7 +53,7 @@ def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
 @pytest.mark.slow
 def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2):
     """drafters/smollm2-135m in our loop (fp32, its 16,384-token draft vocabulary, B = 3 and
-    its trained B = 8): greedy output equals the target alone's."""
+    its trained block size): greedy output equals the target alone's."""
     import os
 
     model, tok, prompts = smollm2
@@ -62,6 +62,6 @@ def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2
     assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 16384
     for prompt in prompts:
         base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
-        for block_size in (3, 8):
+        for block_size in (3, drafter.config.block_size):
             spec = spec_generate(model, drafter, prompt, 24, block_size=block_size, stop_token_ids=[tok.eos_token_id])
             assert spec.tokens == base.tokens
