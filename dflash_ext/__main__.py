@@ -120,12 +120,11 @@ def cmd_generate(args):
 
 def cmd_gen_data(args):
     from .drafter import default_target_layer_ids
-    from .hardware import cpu_description, keep_freed_memory
+    from .hardware import cpu_description
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts
     from .training.data import compute_features, generate_responses, load_records
 
-    keep_freed_memory()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
@@ -160,11 +159,9 @@ def cmd_train(args):
 
     import torch.distributed as dist
 
-    from .hardware import keep_freed_memory
     from .models import load_target
     from .training.trainer import TrainConfig, train
 
-    keep_freed_memory()
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # launched by torchrun
@@ -179,11 +176,9 @@ def cmd_train(args):
 
 def cmd_eval(args):
     from .drafter import DFlashDrafter
-    from .hardware import keep_freed_memory
     from .models import load_target
     from .training.trainer import TrainConfig, evaluate_drafter
 
-    keep_freed_memory()
     torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)
@@ -266,7 +261,8 @@ def main(argv=None):
                    help="more gen-data folders (other prompt sources), training only: never held out")
     t.add_argument("--out", required=True, help="checkpoint folder (reference format); resumes if it has a trainer state")
     t.add_argument("--target", default=None)
-    t.add_argument("--num-layers", type=int, default=None)
+    t.add_argument("--num-layers", type=int, default=None,
+                   help="drafter layers (default 5; with --init DIR its own count, or more: new layers are appended)")
     t.add_argument("--block-size", type=int, default=None)
     t.add_argument("--anchors", type=int, default=None, help="anchors per sequence per epoch (paper 512)")
     t.add_argument("--gamma", type=float, default=None)
@@ -313,6 +309,10 @@ def main(argv=None):
     e.add_argument("--data", default=None, help="training data folder of --draft-vocab (gen-data output)")
     e.add_argument("--holdout", type=int, default=64, help="highest-id records of --data left out of the count")
     args = p.parse_args(argv)
+    if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
+        from . import hardware
+
+        hardware.keep_freed_memory()
     if args.command == "generate":
         if args.drafter is not None:
             if not os.path.isdir(args.drafter):
