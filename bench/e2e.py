@@ -158,7 +158,18 @@ def aggregate(records, block_size):
         dflash_ttft_ms=1e3 * sum(x["time_to_first_token_s"] for x in d) / len(d),
         mismatches=sum(1 for r in records if r["identical"] is False),
         compared=sum(1 for r in records if r["identical"] is not None),
+        **_streamed_target(records, d_tps),
     )
+
+
+def _streamed_target(records, dflash_tps):
+    """Tokens/s of the target alone with streamed linear layers (--streamed-target), and
+    DFlash's speed over it; nothing when that was not run."""
+    st = [r["streamed"] for r in records if r.get("streamed")]
+    if len(st) != len(records):
+        return {}
+    tps = sum(x["new_tokens"] for x in st) / sum(x["total_s"] for x in st)
+    return dict(streamed_target_tokens_per_s=tps, speedup_vs_streamed_target=dflash_tps / tps)
 
 
 def table(sets, overall):
@@ -173,6 +184,9 @@ def table(sets, overall):
             ("verify_ms_per_step", "verify ms/step", lambda r: f"{r['verify_ms_per_step']:.1f} ({100 * r['verify_frac']:.0f}%)"),
             ("other_ms_per_step", "other ms/step", lambda r: f"{r['other_ms_per_step']:.1f} ({100 * r['other_frac']:.0f}%)"),
             ("mismatches", "mismatch", lambda r: f"{r['mismatches']}/{r['compared']}" if r["compared"] else "-")]
+    if "streamed_target_tokens_per_s" in overall:
+        cols[6:6] = [("streamed_target_tokens_per_s", "streamed target tok/s", "{:.1f}"),
+                     ("speedup_vs_streamed_target", "vs streamed", "{:.2f}x")]
     return format_table(rows, cols)
 
 
@@ -260,6 +274,12 @@ def parse_args(argv=None):
     ap.add_argument("--loops", default="ours", help="DFlash loops to run beside the target alone: ours "
                     "(spec_generate), hf (transformers' generate(assistant_model=drafter.as_assistant(), "
                     "speculation_type='dflash')), or ours,hf: both with the same drafter on the same prompts")
+    ap.add_argument("--streamed-target", action="store_true",
+                    help="also run the target alone with every linear layer through dflash_ext.skinny_linear "
+                         "(one-token rows too): what the target alone gains from the GEMM DFlash's verify uses")
+    ap.add_argument("--library-gemm", action="store_true",
+                    help="DFlash with F.linear everywhere (spec_generate(stream_linears=False)) instead of "
+                         "skinny_linear for the verify pass and the drafter's block")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -336,7 +356,8 @@ def main(argv=None):
     if args.block_size == "auto" and "hf" in args.loops:
         B = drafter.config.block_size  # transformers' loop always verifies the drafter's whole block
     elif args.block_size == "auto":  # one choice for the run, at the mean prompt length
-        block_choice = choose_block_size(model, drafter, sum(len(e[2]) for e in encoded) // len(encoded))
+        block_choice = choose_block_size(model, drafter, sum(len(e[2]) for e in encoded) // len(encoded),
+                                         stream_linears=not args.library_gemm)
         B = block_choice.block_size
     else:
         B = args.block_size
@@ -352,14 +373,16 @@ def main(argv=None):
           + ", ".join(f"{n} ({len(p)})" for n, p in prompt_sets), file=sys.stderr, flush=True)
 
     def run_pair(ids, k, max_new):
-        """(baseline, dflash) GenerationResults; the order alternates with k."""
-        def base():
+        """(baseline, dflash, hf, streamed target) GenerationResults (None where not run);
+        the order of the baseline and DFlash alternates with k."""
+        def base(stream_linears=False):
             g = torch.Generator().manual_seed(args.seed + k)
-            return target_generate(model, ids, max_new, generator=g, **sampling)
+            return target_generate(model, ids, max_new, generator=g, stream_linears=stream_linears, **sampling)
 
         def spec():
             g = torch.Generator().manual_seed(args.seed + k)
-            return spec_generate(model, drafter, ids, max_new, block_size=B, generator=g, fused=fused, **sampling)
+            return spec_generate(model, drafter, ids, max_new, block_size=B, generator=g, fused=fused,
+                                 stream_linears=not args.library_gemm, **sampling)
         if k % 2 == 0:
             b = base()
             s = spec() if "ours" in args.loops else None
@@ -367,7 +390,8 @@ def main(argv=None):
             s = spec() if "ours" in args.loops else None
             b = base()
         h = hf(ids, k, max_new) if "hf" in args.loops else None
-        return b, s, h
+        st = base(stream_linears=True) if args.streamed_target else None
+        return b, s, h, st
 
     assistant = drafter.as_assistant(model, fused=fused) if "hf" in args.loops else None
 
@@ -405,7 +429,7 @@ def main(argv=None):
         bar = None
     records = []
     for k, (name, i, ids) in enumerate(encoded):
-        base, spec, hf_res = run_pair(ids, k, args.max_new_tokens)
+        base, spec, hf_res, streamed = run_pair(ids, k, args.max_new_tokens)
         if spec is None:  # --loops hf: the HF loop stands in the DFlash columns
             spec, hf_res = hf_res, None
         identical = (base.tokens == spec.tokens) if greedy else None
@@ -424,7 +448,8 @@ def main(argv=None):
                                      if bs["tokens_per_second"] else None),
                             identical=identical, first_mismatch=first_diff,
                             hf=hf_res.summary() if hf_res is not None else None,
-                            hf_identical=(hf_res.tokens == base.tokens) if hf_res is not None and greedy else None))
+                            hf_identical=(hf_res.tokens == base.tokens) if hf_res is not None and greedy else None,
+                            streamed=streamed.summary() if streamed is not None else None))
         if bar:
             done = aggregate(records, B)
             bar.set_postfix_str(f"{name} tau {done['tau']:.2f} speedup {done['speedup'] or 0:.2f}x"
@@ -443,10 +468,12 @@ def main(argv=None):
                 sharegpt_offset=(args.sharegpt_offset if args.sharegpt_offset is not None
                                  else _sharegpt_default_offset()), max_prompt_tokens=args.max_prompt_tokens,
                 seed=args.seed, quick=args.quick, load_average_at_start=busy, warmup=not args.no_warmup,
+                dflash_linears="F.linear (--library-gemm)" if args.library_gemm else "skinny_linear on 2..8 rows",
                 elapsed_s=round(time.perf_counter() - t_start, 2))
 
     title = (f"DFlash vs target alone | target {target_name} | drafter {'UNTRAINED (fresh)' if fresh else drafter_name}"
-             f" | B={B} {args.dtype} {device} {meta['threads']} threads | {args.max_new_tokens} new tokens, "
+             f" | B={B} {args.dtype} {device} {meta['threads']} threads | DFlash linears: {meta['dflash_linears']}"
+             f" | {args.max_new_tokens} new tokens, "
              f"{'greedy' if greedy else f'T={args.temperature}'}")
     print(f"# {title}")
     if fresh:

@@ -12,7 +12,11 @@ greedy continuations of the target), this script measures
   2. the same for a *row-wise* verify, which calls the kernels one-token decoding calls:
      every linear layer on one row at a time (M = 1) and attention one query at a time
      over its own prefix (so no reduction order depends on B);
-  3. what each costs against one one-token forward, for B in --sizes (median times).
+  3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
+     layer on 2..8 rows through ops.skinny_linear: dflash_ext.decoding.streamed_linears);
+  4. what each costs against one one-token forward, for B in --sizes (median times), and
+     what one-token decoding itself costs with its linear layers streamed too (could the
+     target alone gain as much?).
 
 A row-wise verify is exact only as far as the kernels' results do not depend on the
 memory layout of their inputs; (2) checks it, row by row.
@@ -30,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from dflash_ext.decoding import TargetRunner, _crop  # noqa: E402
+from dflash_ext.decoding import TargetRunner, _crop, streamed_linears  # noqa: E402
 from _common import DTYPES, OUT_DIR, format_table  # noqa: E402
 
 ROWWISE_ATTENTION = "rowwise_sdpa"  # no "flash" in the name: transformers would look for a flash-attention kernel
@@ -79,6 +83,16 @@ def rowwise_verify(model):
         model.set_attn_implementation(before)
 
 
+KINDS = ("verify", "streamed", "rowwise")
+
+
+def verify_kind(model, kind: str, min_rows: int = 2):
+    """The context that makes `model`'s pass a verify of `kind` (KINDS)."""
+    if kind == "rowwise":
+        return rowwise_verify(model)
+    return streamed_linears(model, enabled=kind == "streamed", min_rows=min_rows)
+
+
 def _forward(runner, ids, cache):
     """Logits [n, V] of one pass over ids [1, n], extending `cache` (the DFlash loop's call)."""
     return runner(ids, cache, hidden_states=False)[0][0]
@@ -105,9 +119,9 @@ def compare(model, prompt_ids, sizes):
     block = torch.tensor([tokens[:max(sizes)]])
     result = {}
     for b in sizes:
-        for kind in ("verify", "rowwise"):
+        for kind in KINDS:
             _crop(cache, context)
-            with rowwise_verify(model) if kind == "rowwise" else contextlib.nullcontext():
+            with verify_kind(model, kind):
                 got = _forward(runner, block[:, :b], cache).float()
             want = decoded[:b]
             result[b, kind] = dict(rows=b, bitwise_rows=int((got == want).all(-1).sum()),
@@ -118,8 +132,8 @@ def compare(model, prompt_ids, sizes):
 
 
 def time_passes(model, cache, block, context, sizes, timing):
-    """Median ms of one one-token forward and of a plain and a row-wise verify over B tokens
-    (the cache cropped back to the prompt after each call)."""
+    """Median ms of one one-token forward (plain and streamed) and of each kind of verify
+    over B tokens (the cache cropped back to the prompt after each call)."""
     runner = TargetRunner(model)  # once: the timed calls are the forward and the crop alone
 
     def run(ids):
@@ -130,10 +144,11 @@ def time_passes(model, cache, block, context, sizes, timing):
         return fn
     ms, info = _common.measure({"one": run(block[:, :1]), **{f"verify{b}": run(block[:, :b]) for b in sizes}},
                                **timing)
-    with rowwise_verify(model):
-        row_ms, row_info = _common.measure({f"rowwise{b}": run(block[:, :b]) for b in sizes}, **timing)
-    ms.update(row_ms)
-    info["noisy"] |= row_info["noisy"]
+    for kind in KINDS[1:]:
+        with verify_kind(model, kind, min_rows=1):
+            kind_ms, kind_info = _common.measure({f"{kind}{b}": run(block[:, :b]) for b in [1, *sizes]}, **timing)
+        ms.update(kind_ms)
+        info["noisy"] |= kind_info["noisy"]
     return ms, info
 
 
@@ -174,9 +189,10 @@ def main(argv=None) -> int:
         ms, info = time_passes(model, cache, block, context, args.sizes, _common.timing(args))
         for b in args.sizes:
             rows.append(dict(dtype=dtype_name, block_size=b, context=context, one_ms=ms["one"],
-                             verify_x=ms[f"verify{b}"] / ms["one"], rowwise_x=ms[f"rowwise{b}"] / ms["one"],
-                             verify_ms=ms[f"verify{b}"], rowwise_ms=ms[f"rowwise{b}"], noisy=info["noisy"],
-                             **{f"{kind}_{k}": v for kind in ("verify", "rowwise") for k, v in agg[b, kind].items()}))
+                             one_streamed_x=ms["streamed1"] / ms["one"], noisy=info["noisy"],
+                             **{f"{kind}_x": ms[f"{kind}{b}"] / ms["one"] for kind in KINDS},
+                             **{f"{kind}_ms": ms[f"{kind}{b}"] for kind in KINDS},
+                             **{f"{kind}_{k}": v for kind in KINDS for k, v in agg[b, kind].items()}))
         del model
     meta = _common.metadata(device, prompts=len(texts), sizes=args.sizes)
     print(f"# verify numerics vs one-token decoding | {_common.header(meta)}")
@@ -187,11 +203,17 @@ def main(argv=None) -> int:
         ("verify_bitwise_rows", "verify: bitwise rows", lambda r: f"{r['verify_bitwise_rows']}/{r['verify_rows']}"),
         ("verify_argmax_rows", "same argmax", lambda r: f"{r['verify_argmax_rows']}/{r['verify_rows']}"),
         ("verify_max_abs_diff", "max |diff|", "{:.2e}"),
+        ("streamed_bitwise_rows", "streamed: bitwise rows",
+         lambda r: f"{r['streamed_bitwise_rows']}/{r['streamed_rows']}"),
+        ("streamed_argmax_rows", "same argmax", lambda r: f"{r['streamed_argmax_rows']}/{r['streamed_rows']}"),
+        ("streamed_max_abs_diff", "max |diff|", "{:.2e}"),
         ("rowwise_bitwise_rows", "row-wise: bitwise rows",
          lambda r: f"{r['rowwise_bitwise_rows']}/{r['rowwise_rows']}"),
         ("rowwise_max_abs_diff", "max |diff|", "{:.2e}"),
         ("one_ms", "1 token ms", "{:.1f}"),
-        ("verify_x", "verify B / 1 token", "{:.2f}x"), ("rowwise_x", "row-wise B / 1 token", "{:.2f}x"),
+        ("verify_x", "verify B / 1 token", "{:.2f}x"), ("streamed_x", "streamed B / 1 token", "{:.2f}x"),
+        ("rowwise_x", "row-wise B / 1 token", "{:.2f}x"),
+        ("one_streamed_x", "1 token streamed / 1 token", "{:.2f}x"),
     ]))
     if any(r["noisy"] for r in rows):
         print("# some timings stayed noisy (IQR / median >= 10 %): is the machine busy?")

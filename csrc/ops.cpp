@@ -138,6 +138,22 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
   return {Bsz, Bq, Hq, Hkv, D, S};
 }
 
+SkinnyLinearDims check_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.defined() && x.dim() == 2, "x must be a 2-D tensor [M, K], got shape ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(is_supported_float(x.scalar_type()), "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  check_tensor(weight, "weight", 2, x, "x");
+  TORCH_CHECK(weight.size(1) == x.size(1), "weight must have shape [N, K] with K=", x.size(1),
+              " (the width of x), got ", weight.sizes());
+  const int64_t N = weight.size(0);
+  if (bias.has_value() && bias->defined()) {
+    check_tensor(*bias, "bias", 1, x, "x");
+    check_shape(*bias, "bias", {N});
+  }
+  return {x.size(0), N, x.size(1)};
+}
+
 void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu, int64_t P,
                           int64_t S) {
   const auto pos = positions_cpu.contiguous();
@@ -191,7 +207,18 @@ TORCH_LIBRARY(dflash_ext, m) {
       "block_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, Tensor v_cache, "
       "Tensor cache_offsets, Tensor cache_lens, float scale, int window=0, int max_context=-1, "
       "bool validate=True) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
+
+// skinny_linear on devices without a kernel of ours (CUDA: cuBLAS handles few rows itself):
+// the checks, then at::linear. The CPU kernel (cpu/skinny_linear.cpp) takes precedence.
+static at::Tensor skinny_linear_library(const at::Tensor& x, const at::Tensor& weight,
+                                        const c10::optional<at::Tensor>& bias) {
+  dflash::check_skinny_linear(x, weight, bias);
+  return at::linear(x, weight, bias);
+}
+
+TORCH_LIBRARY_IMPL(dflash_ext, CompositeExplicitAutograd, m) { m.impl("skinny_linear", &skinny_linear_library); }
 
 // Importing dflash_ext._C loads this library and so runs the registrations above;
 // the module itself holds only a test hook of the CPU GEMM backend.

@@ -16,7 +16,7 @@ from . import _C  # noqa: E402  (registers torch.ops.dflash_ext.*)
 from . import hardware, ops, reference  # noqa: E402
 
 _C._cpu_isa()  # reads DFLASH_CPU_ISA now: a bad value is an error at import, not at a call
-from .ops import block_attention, inject_context_kv, project_features  # noqa: E402
+from .ops import block_attention, inject_context_kv, project_features, skinny_linear  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "reference", "project_features", "inject_context_kv", "block_attention"]
+__all__ = ["ops", "reference", "project_features", "inject_context_kv", "block_attention", "skinny_linear"]

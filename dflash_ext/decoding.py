@@ -11,6 +11,8 @@ target's (temperature / top-k / top-p processed) distribution and a draft token 
 accepted only when it equals that sample (sample-and-match), so every emitted token is
 a sample of the target itself: the output distribution is exactly the target's.
 """
+import contextlib
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -18,11 +20,14 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from . import ops
 from .drafter import DFlashDrafter, DraftCache
 
 __all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "TargetRunner", "GenerationResult",
-           "DFlashProposer", "sample_token", "draft_tokens", "choose_block_size", "BlockSizeChoice", "check_sampling"]
+           "DFlashProposer", "sample_token", "draft_tokens", "choose_block_size", "BlockSizeChoice", "check_sampling",
+           "linear_rows", "streamed_linears"]
 
 
 @dataclass
@@ -101,12 +106,51 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     Bsz, B, H = hidden.shape
     n = B - 1 if n is None else n
     rows = hidden[:, 1:n + 1].reshape(Bsz * n, H)
-    pad = _lm_head_padding(rows.shape[0], weight, bias)
-    if pad:
-        rows = F.pad(rows, (0, 0, 0, pad))
-    logits = F.linear(rows, weight, bias)[:Bsz * n].view(Bsz, n, -1)
+    if _streams(rows):
+        logits = ops.skinny_linear(rows, weight, bias).view(Bsz, n, -1)
+    else:
+        pad = _lm_head_padding(rows.shape[0], weight, bias)
+        if pad:
+            rows = F.pad(rows, (0, 0, 0, pad))
+        logits = F.linear(rows, weight, bias)[:Bsz * n].view(Bsz, n, -1)
     best = logits.argmax(-1)
     return best if vocab is None else vocab[best]
+
+
+STREAM_ROWS = 8  # the most rows ops.skinny_linear streams (csrc/cpu/isa.h, kStreamRows)
+
+
+def _streams(x: torch.Tensor, min_rows: int = 2) -> bool:
+    """Whether a linear layer on `x` goes to ops.skinny_linear: min_rows..8 rows on the CPU."""
+    return x.device.type == "cpu" and min_rows <= x.numel() // max(x.shape[-1], 1) <= STREAM_ROWS
+
+
+def linear_rows(layer: nn.Linear, x: torch.Tensor, min_rows: int = 2) -> torch.Tensor:
+    """`layer(x)`, through ops.skinny_linear where :func:`_streams` says so (one pass over
+    the weight, where the library GEMM costs about twice its one-row GEMV: bench/RESULTS.md
+    §7). By default one row (one-token decoding, as HF `generate` runs it) and many rows
+    (a prefill) stay on F.linear."""
+    if _streams(x, min_rows):
+        return ops.skinny_linear(x, layer.weight, layer.bias)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+@contextlib.contextmanager
+def streamed_linears(*models: nn.Module, enabled: bool = True, min_rows: int = 2):
+    """Within: every `nn.Linear` of `models` runs as :func:`linear_rows` (the verify pass
+    over B tokens and the drafter's block). Layers that already carry their own forward
+    (another patch, a hook library) are left alone; all are restored on exit."""
+    patched = []
+    try:
+        for model in models if enabled else ():
+            for m in model.modules():
+                if type(m) is nn.Linear and "forward" not in m.__dict__:
+                    m.forward = functools.partial(linear_rows, m, min_rows=min_rows)
+                    patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
 
 
 _PADDING = {}  # (rows, weight shape, dtype, bias?) -> rows to add
@@ -277,7 +321,7 @@ def _median_seconds(fn, reps: int = 5) -> float:
 
 @torch.no_grad()
 def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
-                      candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16)) -> BlockSizeChoice:
+                      candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True) -> BlockSizeChoice:
     """The verify block size B (<= the drafter's trained block) that maximises expected
     tokens per second on this machine:
 
@@ -290,7 +334,13 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
 
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
     by training); without one nothing is timed and the trained block size is kept. c(B)
-    is timed here, at `context_len` tokens of context (median of 5)."""
+    is timed here, at `context_len` tokens of context (median of 5), with the linear layers
+    as :func:`spec_generate` runs them (`stream_linears`)."""
+    with streamed_linears(target, drafter, enabled=stream_linears):
+        return _choose_block_size(target, drafter, context_len, candidates)
+
+
+def _choose_block_size(target, drafter: DFlashDrafter, context_len: int, candidates) -> BlockSizeChoice:
     trained = drafter.config.block_size
     profile = getattr(drafter, "acceptance_profile", None)
     sizes = sorted({b for b in candidates if b <= trained} | {trained})
@@ -465,7 +515,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                   block_size=None, stop_token_ids: Iterable[int] = (), top_k: int = 0,
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
                   on_tokens: Optional[Callable[[List[int]], None]] = None,
-                  draft_window: Optional[int] = None, streamer=None) -> GenerationResult:
+                  draft_window: Optional[int] = None, streamer=None,
+                  stream_linears: bool = True) -> GenerationResult:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`speculative_step`, which times and streams.
 
@@ -474,19 +525,29 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     (:func:`choose_block_size`) or None (the drafter's). `on_tokens` receives each step's
     new tokens; `streamer` is a Hugging Face streamer (``put``/``end``, e.g. TextStreamer).
     `draft_window` caps how many of the last context tokens every drafter layer sees (long
-    contexts; the authors' --draft-sliding-window-size)."""
+    contexts; the authors' --draft-sliding-window-size). `stream_linears`: the linear layers
+    of the target and the drafter run as :func:`linear_rows` meanwhile (:func:`streamed_linears`;
+    False: F.linear everywhere, the library GEMM)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.shape[0] != 1:
         raise ValueError(f"spec_generate decodes one sequence; input_ids has batch {ids.shape[0]}")
+    models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
+    with streamed_linears(*models, enabled=stream_linears):
+        return _spec_generate(target, drafter, ids, max_new_tokens, temperature, block_size, stop_token_ids,
+                              top_k, top_p, generator, fused, on_tokens, draft_window, streamer, stream_linears)
+
+
+def _spec_generate(target, drafter, ids, max_new_tokens, temperature, block_size, stop_token_ids, top_k, top_p,
+                   generator, fused, on_tokens, draft_window, streamer, stream_linears) -> GenerationResult:
     device = next(target.parameters()).device
     ids = ids.to(device)
     n_prompt = ids.shape[1]
     if isinstance(drafter, DFlashDrafter):
         trained = drafter.config.block_size
         if block_size == "auto":
-            block_size = choose_block_size(target, drafter, n_prompt).block_size
+            block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears).block_size
         B = block_size or trained
         if not isinstance(B, int) or B < 1:
             raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
@@ -538,8 +599,18 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
 def target_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0,
                     stop_token_ids: Iterable[int] = (), top_k: int = 0, top_p: float = 1.0,
                     generator: Optional[torch.Generator] = None,
-                    on_tokens: Optional[Callable[[List[int]], None]] = None, streamer=None) -> GenerationResult:
-    """The target alone, one token per forward pass (the baseline, same sampling rules)."""
+                    on_tokens: Optional[Callable[[List[int]], None]] = None, streamer=None,
+                    stream_linears: bool = False) -> GenerationResult:
+    """The target alone, one token per forward pass (the baseline, same sampling rules).
+    `stream_linears`: its linear layers on one row run through ops.skinny_linear too
+    (:func:`streamed_linears` with min_rows=1; default off: F.linear, as HF `generate`)."""
+    with streamed_linears(target, enabled=stream_linears, min_rows=1):
+        return _target_generate(target, input_ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p,
+                                generator, on_tokens, streamer)
+
+
+def _target_generate(target, input_ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p, generator,
+                     on_tokens, streamer) -> GenerationResult:
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)

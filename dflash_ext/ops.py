@@ -4,11 +4,11 @@ Each function calls the compiled op ``torch.ops.dflash_ext.<name>``; the fake (m
 kernels registered here give output shapes to ``torch.compile`` and FakeTensor
 tracing. Input checks live in the compiled op (csrc/ops.cpp) and name the argument.
 """
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["project_features", "inject_context_kv", "block_attention"]
+__all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear"]
 
 _ops = torch.ops.dflash_ext
 
@@ -64,6 +64,21 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
                                 float(scale), int(window), int(max_context), bool(validate))
 
 
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for inputs of few rows (a verify pass of B tokens).
+
+    x ``[..., K]``; weight ``[N, K]``; bias ``[N]`` or None. Returns ``[..., N]`` in x's dtype.
+    On the CPU, up to 8 rows (all leading dims together) stream the weight once with the
+    dot products of every row in fp32, where the library GEMM costs about twice its
+    one-row GEMV; more rows, bf16 rows that oneDNN takes (CPUs with bf16 units) and
+    other devices run ``F.linear`` itself.
+    """
+    if x.dim() == 0:  # the op names the problem
+        return _ops.skinny_linear(x, weight, bias)
+    out = _ops.skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def _check_one_device(**tensors):
     """Fake kernels also run when only some inputs are on the meta device; the compiled
     checks never see that case, so the device rule is enforced here too."""
@@ -97,3 +112,9 @@ def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, 
     _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
                       cache_offsets=cache_offsets, cache_lens=cache_lens)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("dflash_ext::skinny_linear")
+def _skinny_linear_fake(x, weight, bias=None):
+    _check_one_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    return x.new_empty((x.shape[0], weight.shape[0]))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["rms_norm", "rotate_half", "apply_rope", "project_features", "inject_context_kv",
-           "block_attention", "eager_project_features", "eager_bare_linear", "eager_inject_context_kv",
+           "block_attention", "skinny_linear", "eager_project_features", "eager_bare_linear", "eager_inject_context_kv",
            "eager_block_attention", "sdpa_supports_gqa", "sdpa_problem", "sdpa_block_attention"]
 
 
@@ -40,6 +40,13 @@ def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
     x = torch.cat([f.to(compute_dtype) for f in features], dim=-1)
     y = x @ fc_weight.to(compute_dtype).T
     return rms_norm(y, norm_weight.to(compute_dtype), eps).to(out_dtype)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, computed in `compute_dtype`, in x's dtype."""
+    b = None if bias is None else bias.to(compute_dtype)
+    return F.linear(x.to(compute_dtype), weight.to(compute_dtype), b).to(x.dtype)
 
 
 def inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots, k_cache,

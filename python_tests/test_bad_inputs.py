@@ -12,6 +12,7 @@ OPS = {
     "project_features": dflash_ext.project_features,
     "inject_context_kv": dflash_ext.inject_context_kv,
     "block_attention": dflash_ext.block_attention,
+    "skinny_linear": dflash_ext.skinny_linear,
 }
 
 # Small valid inputs: project T=5, H=16, k=2, H_out=8; inject T=5, H=16, N=2, Hkv=2, D=8,
@@ -26,6 +27,8 @@ def base_kwargs(op):
         return dict(features=feats, fc_weight=w, norm_weight=nw, eps=eps)
     if op == "inject_context_kv":
         return make_inject_inputs(T, H, N, HKV, D, S=S, P=P, seed=1, skip_frac=0.0).kwargs()
+    if op == "skinny_linear":
+        return dict(x=randn(3, H), weight=randn(8, H), bias=randn(8))
     return make_attention_inputs([3, 0], 2, 4, HKV, D, seed=1, poison=False).kwargs()
 
 
@@ -155,6 +158,16 @@ BAD = [
     ("block_attention", "window_negative", lambda a: a.update(window=-1), "window"),
     ("block_attention", "scale_nan", lambda a: a.update(scale=float("nan")), "scale"),
     ("block_attention", "scale_inf", lambda a: a.update(scale=float("inf")), "scale"),
+    # --- skinny_linear ----------------------------------------------------------------
+    ("skinny_linear", "x_float64", setitem("x", lambda t: t.double()), r"\bx\b"),
+    ("skinny_linear", "x_int64", setitem("x", lambda t: t.long()), r"\bx\b"),
+    ("skinny_linear", "x_0d", setitem("x", lambda t: t[0, 0]), r"\bx\b"),
+    ("skinny_linear", "weight_bf16", setitem("weight", lambda t: t.bfloat16()), "weight"),
+    ("skinny_linear", "weight_width", setitem("weight", lambda t: randn(8, H + 1)), "weight"),
+    ("skinny_linear", "weight_1d", setitem("weight", lambda t: t[0]), "weight"),
+    ("skinny_linear", "bias_fp16", setitem("bias", lambda t: t.half()), "bias"),
+    ("skinny_linear", "bias_len", setitem("bias", lambda t: randn(9)), "bias"),
+    ("skinny_linear", "bias_2d", setitem("bias", lambda t: t[None]), "bias"),
 ]
 
 
@@ -193,6 +206,8 @@ DEVICE_MISMATCH = [
     ("inject_context_kv", "positions", "positions"),
     ("block_attention", "k_block", "k_block"),
     ("block_attention", "cache_lens", "cache_lens"),
+    ("skinny_linear", "weight", "weight"),
+    ("skinny_linear", "bias", "bias"),
 ]
 
 

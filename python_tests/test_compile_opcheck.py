@@ -26,6 +26,8 @@ def attention_args():
     ("project_features", lambda: project_args()),
     ("inject_context_kv", lambda: inject_inputs().args()),
     ("block_attention", attention_args),
+    ("skinny_linear", lambda: (torch.randn(4, 40), torch.randn(24, 40), torch.randn(24))),
+    ("skinny_linear", lambda: (torch.randn(12, 40), torch.randn(24, 40), None)),
 ])
 def test_opcheck(name, make_args):
     torch.library.opcheck(getattr(ops, name).default, make_args())

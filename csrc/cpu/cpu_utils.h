@@ -9,7 +9,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
+
+#include "isa.h"
 
 // Dispatch over the dtypes the ops accept (checked before dispatch).
 #define DFLASH_DISPATCH_FLOATING(TYPE, NAME, ...)                 \
@@ -102,13 +105,23 @@ inline int64_t weight_rows_per_tile(int64_t rows) {
   return std::clamp<int64_t>((rows + tiles - 1) / tiles, 16, 128);
 }
 
+// Two float vectors of B[0, 2 * Vec::size()), converted from T.
+template <typename T>
+inline std::pair<Vec, Vec> load_float_pair(const T* b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {Vec::loadu(b), Vec::loadu(b + Vec::size())};
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(b));
+    return {lo, hi};
+  }
+}
+
 // C[m, n] = sum_k A[m, k] * float(B[n, k]) + beta * C[m, n] for a few rows of A: one
 // pass over B with the conversion fused into the dot products (weight streaming).
 template <int64_t M, typename T>
 void skinny_gemm_nt(int64_t N, int64_t K, const float* A, int64_t lda, const T* B, int64_t ldb,
                     float beta, float* C, int64_t ldc) {
-  using VecT = at::vec::Vectorized<T>;
-  constexpr int64_t step = VecT::size();  // = 2 float vectors
+  constexpr int64_t step = 2 * Vec::size();
   for (int64_t n = 0; n < N; ++n) {
     const T* b = B + n * ldb;
     // Two accumulators per row while registers allow (few rows: latency-bound chains),
@@ -119,7 +132,7 @@ void skinny_gemm_nt(int64_t N, int64_t K, const float* A, int64_t lda, const T* 
       for (int64_t r = 0; r < R; ++r) acc[m][r] = Vec(0.f);
     int64_t k = 0;
     for (; k + step <= K; k += step) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(b + k));
+      auto [lo, hi] = load_float_pair(b + k);
       for (int64_t m = 0; m < M; ++m) {
         acc[m][0] = at::vec::fmadd(Vec::loadu(A + m * lda + k), lo, acc[m][0]);
         acc[m][R - 1] = at::vec::fmadd(Vec::loadu(A + m * lda + k + Vec::size()), hi, acc[m][R - 1]);
@@ -136,6 +149,23 @@ void skinny_gemm_nt(int64_t N, int64_t K, const float* A, int64_t lda, const T* 
   }
 }
 
+// skinny_gemm_nt for 1 <= M <= kStreamRows (isa.h) rows, dispatched on M.
+template <typename T>
+void stream_gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const T* B,
+                    int64_t ldb, float beta, float* C, int64_t ldc) {
+  switch (M) {
+    case 1: return skinny_gemm_nt<1>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 2: return skinny_gemm_nt<2>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 3: return skinny_gemm_nt<3>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 4: return skinny_gemm_nt<4>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 5: return skinny_gemm_nt<5>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 6: return skinny_gemm_nt<6>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 7: return skinny_gemm_nt<7>(N, K, A, lda, B, ldb, beta, C, ldc);
+    case 8: return skinny_gemm_nt<8>(N, K, A, lda, B, ldb, beta, C, ldc);
+    default: TORCH_CHECK(false, "stream_gemm_nt takes 1..", kStreamRows, " rows, got ", M);
+  }
+}
+
 // C[M, N] = A[M, K] · float(B[N, K])^T + beta · C for weights B of any op dtype.
 // fp32 weights go to BLAS in place; reduced-precision weights are streamed once by
 // skinny_gemm_nt when A has few rows, else converted into `buf` for BLAS.
@@ -144,22 +174,13 @@ void gemm_nt_weights(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
                      int64_t ldb, float beta, float* C, int64_t ldc, std::vector<float>& buf) {
   if constexpr (std::is_same_v<T, float>) {
     gemm_nt(M, N, K, A, lda, B, ldb, beta, C, ldc);
+  } else if (M == 0) {
+    return;
+  } else if (M <= kStreamRows) {
+    stream_gemm_nt(M, N, K, A, lda, B, ldb, beta, C, ldc);
   } else {
-    switch (M) {
-      case 0: return;
-      case 1: return skinny_gemm_nt<1>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 2: return skinny_gemm_nt<2>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 3: return skinny_gemm_nt<3>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 4: return skinny_gemm_nt<4>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 5: return skinny_gemm_nt<5>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 6: return skinny_gemm_nt<6>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 7: return skinny_gemm_nt<7>(N, K, A, lda, B, ldb, beta, C, ldc);
-      case 8: return skinny_gemm_nt<8>(N, K, A, lda, B, ldb, beta, C, ldc);
-      default: {
-        const F32Rows b = rows_as_f32(B, N, K, ldb, buf);
-        gemm_nt(M, N, K, A, lda, b.ptr, b.ld, beta, C, ldc);
-      }
-    }
+    const F32Rows b = rows_as_f32(B, N, K, ldb, buf);
+    gemm_nt(M, N, K, A, lda, b.ptr, b.ld, beta, C, ldc);
   }
 }
 

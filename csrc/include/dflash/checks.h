@@ -9,6 +9,7 @@ namespace dflash {
 struct ProjectFeaturesDims { int64_t k, T, H, H_out; };
 struct InjectDims { int64_t T, H, N, Hkv, D, S, P; };
 struct BlockAttentionDims { int64_t Bsz, Bq, Hq, Hkv, D, S; };
+struct SkinnyLinearDims { int64_t M, N, K; };
 
 ProjectFeaturesDims check_project_features(at::TensorList features, const at::Tensor& fc_weight,
                                            const at::Tensor& norm_weight, double eps);
@@ -22,6 +23,8 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                          const at::Tensor& cache_lens, double scale, int64_t window,
                                          int64_t max_context);
+SkinnyLinearDims check_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                                     const c10::optional<at::Tensor>& bias);
 
 // Value checks (host tensors): positions in [0, P), slots in [-1, S) and unique.
 void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu,
