@@ -10,7 +10,8 @@ Prints the CPU model and ISA level found, then a table per op whose rows name th
 the CPU kernels ran at (``isa``; ``--isa`` forces levels with hardware.forced_cpu_isa) and
 the path each op took (``path``, hardware.cpu_paths); JSON: rows and metadata (``--json``).
 Shapes: the ``smollm2`` and ``qwen3-8b`` drafters (PRESETS). Baselines, in the op's dtype:
-dflash_ext.reference.eager_* (ratio = eager_ms / fused_ms) and, for project_features,
+dflash_ext.reference.eager_* (skinny_linear: F.linear on the target's layer shapes; ratio =
+eager_ms / fused_ms) and, for project_features,
 eager_bare_linear on the features concatenated beforehand (ratio_vs_linear = linear_ms /
 fused_ms). Each configuration is checked (fused vs eager, allclose; errors against the fp32
 reference) before it is timed; a mismatch exits with status 1. Goals: GOALS. Timing: medians
@@ -37,8 +38,9 @@ from dflash_ext.reference import (eager_bare_linear, eager_block_attention, eage
                                   eager_project_features, sdpa_block_attention, sdpa_problem, sdpa_supports_gqa)
 
 PRESETS = {name: dict(H=p["hidden_size"], Hq=p["num_attention_heads"], Hkv=p["num_key_value_heads"], D=p["head_dim"],
-                      N=p["num_hidden_layers"], k=p["k"]) for name, p in _common.DRAFTERS.items()}
-OPS = ["project_features", "inject_context_kv", "block_attention"]
+                      N=p["num_hidden_layers"], k=p["k"], I=p["intermediate_size"], V=p["vocab_size"])
+           for name, p in _common.DRAFTERS.items()}
+OPS = ["project_features", "inject_context_kv", "block_attention", "skinny_linear"]
 ISA_LEVELS = list(getattr(hardware, "ISA_LEVELS", ["avx2", "avx512", "avx512_bf16", "amx_bf16"]))
 # Eager rounds intermediates to the dtype, the fused ops accumulate in fp32.
 TOLS = {torch.float32: (2e-3, 2e-3), torch.bfloat16: (6e-2, 6e-2), torch.float16: (1e-2, 1e-2)}
@@ -50,7 +52,9 @@ GOALS = {  # op: (row key, target, where it applies, text)
     "inject_context_kv": ("ratio", 2.0, lambda r: r["tokens"] <= 16, "ratio (eager/fused) >= 2x at T <= 16"),
     "block_attention": ("ratio", 2.0, lambda r: r["tokens"] <= 16 and 512 <= r["context"] <= 4096,
                         "ratio (eager/fused) >= 2x at Bq <= 16, context 512..4096"),
+    "skinny_linear": ("ratio", 1.0, lambda r: r["tokens"] <= 8, "ratio (F.linear/fused) >= 1 at T <= 8"),
 }
+LM_HEAD_MAX_ELEMENTS = 64 << 20  # skinny_linear times the LM head of the smaller preset only (Qwen3's: 2.5 GB fp32)
 
 
 def check_close(name, fused, other, ref, dtype, other_name="eager"):
@@ -64,9 +68,10 @@ def check_close(name, fused, other, ref, dtype, other_name="eager"):
                             f"max|{other_name}-ref32|={(e - r).abs().max().item():.4g}")
 
 
-def min_bytes(op, p, itemsize, tokens, context=None, batch=None):
+def min_bytes(op, p, itemsize, tokens, context=None, batch=None, weight_shape=None):
     """The fewest bytes one call of the fused `op` moves: every input element read once and every
-    output element written once (p: a PRESETS entry; tokens = T or Bq; context, batch: attention)."""
+    output element written once (p: a PRESETS entry; tokens = T or Bq; context, batch: attention;
+    weight_shape: skinny_linear)."""
     H, Hq, Hkv, D, N, k = (p[key] for key in ("H", "Hq", "Hkv", "D", "N", "k"))
     if op == "project_features":  # fc_weight, norm_weight, features, out (H_out = H)
         return (H * k * H + H + tokens * k * H + tokens * H) * itemsize
@@ -75,13 +80,16 @@ def min_bytes(op, p, itemsize, tokens, context=None, batch=None):
         return elems * itemsize + 2 * tokens * 8  # int64 positions, slots
     if op == "block_attention":  # q + out, K + V of context and block; int64 offsets, lengths
         return (2 * batch * tokens * Hq * D + 2 * batch * (context + tokens) * Hkv * D) * itemsize + 2 * batch * 8
+    if op == "skinny_linear":  # weight [n_out, n_in], x, out
+        n_out, n_in = weight_shape
+        return (n_out * n_in + tokens * (n_in + n_out)) * itemsize
     raise ValueError(f"min_bytes: unknown op {op!r}")
 
 
 def add_bandwidth(row, copy_gbps):
     """Add min_bytes, fused_gbps and pct_of_copy to a row tagged with its preset and dtype."""
     nbytes = min_bytes(row["op"], PRESETS[row["preset"]], DTYPES[row["dtype"]].itemsize, row["tokens"],
-                       row["context"], row["batch"])
+                       row["context"], row["batch"], row.get("weight_shape"))
     gbps = nbytes / row["fused_ms"] / 1e6
     row.update(min_bytes=nbytes, fused_gbps=gbps, pct_of_copy=100.0 * gbps / copy_gbps)
     return row
@@ -152,8 +160,28 @@ def cases_block_attention(p, dtype, device, args, gen):
                 yield dict(tokens=Bq, context=ctx_len, batch=bsz), fns
 
 
+def linear_weights(p):
+    """The target's linear layers of a preset's size, as a verify pass runs them on T rows:
+    (name, [out, in])."""
+    H, I = p["H"], p["I"]
+    shapes = [("q_proj", (p["Hq"] * p["D"], H)), ("up_proj", (I, H)), ("down_proj", (H, I))]
+    return shapes + ([("lm_head", (p["V"], H))] if p["V"] * H <= LM_HEAD_MAX_ELEMENTS else [])
+
+
+def cases_skinny_linear(p, dtype, device, args, gen):
+    for name, (n_out, n_in) in linear_weights(p):
+        weight = randn((n_out, n_in), dtype, device, gen, 1.0 / math.sqrt(n_in))
+        for T in args.tokens:
+            x = randn((T, n_in), dtype, device, gen)
+            check_close(f"skinny_linear[{p['name']} {name}, {dtype}, T={T}]", ops.skinny_linear(x, weight),
+                        torch.nn.functional.linear(x, weight), reference.skinny_linear(x, weight), dtype,
+                        other_name="F.linear")
+            yield dict(tokens=T, context=None, batch=None, weight=name, weight_shape=(n_out, n_in)), dict(
+                fused=lambda: ops.skinny_linear(x, weight), eager=lambda: torch.nn.functional.linear(x, weight))
+
+
 CASES = dict(project_features=cases_project_features, inject_context_kv=cases_inject_context_kv,
-             block_attention=cases_block_attention)
+             block_attention=cases_block_attention, skinny_linear=cases_skinny_linear)
 
 
 # --------------------------------------------------------------------------- goals and output
@@ -164,7 +192,8 @@ def path_taken(op, dtype, preset, tag, device):
     if device.type != "cpu" or not hasattr(hardware, "cpu_paths"):
         return None if device.type == "cpu" else device.type
     p, T = PRESETS[preset], tag["tokens"]
-    weights = p["H"] * p["k"] * p["H"] if op == "project_features" else 2 * p["N"] * p["Hkv"] * p["D"] * p["H"]
+    weights = {"project_features": p["H"] * p["k"] * p["H"],
+               "skinny_linear": math.prod(tag.get("weight_shape") or (0,))}.get(op, 2 * p["N"] * p["Hkv"] * p["D"] * p["H"])
     shape = dict(rows=T, weight_bytes=weights * torch.empty((), dtype=dtype).element_size(),
                  keys=(tag["context"] or 0) + T, query_rows=T * p["Hq"] // p["Hkv"])
     params = inspect.signature(hardware.cpu_paths).parameters
@@ -192,6 +221,7 @@ def goal_status(row):
 def table(op, rows):
     cols = ["preset", "dtype", "isa", "path", ("tokens", "Bq" if op == "block_attention" else "T", "{}")]
     cols += ["batch", "context"] if op == "block_attention" else []
+    cols += ["weight"] if op == "skinny_linear" else []
     cols += [("fused_ms", "fused_ms", "{:.4f}"), ("eager_ms", "eager_ms", "{:.4f}"), ("ratio", "ratio", "{:.2f}x")]
     for ms, ratio in (("linear_ms", "ratio_vs_linear"), ("sdpa_ms", "ratio_vs_sdpa")):
         if any(ms in r for r in rows):

@@ -110,9 +110,10 @@ def cpu_paths(dtype: torch.dtype, rows: int = 16, weight_bytes: int = 1 << 30, k
               query_rows: int = 48) -> dict:
     """The path each CPU op takes now for ``dtype``: the GEMM ops for ``rows`` input rows over
     ``weight_bytes`` of weights (project_features: fc_weight; inject_context_kv: k_weight and
-    v_weight together), block_attention for ``keys`` keys per sequence (context + block) and
-    ``query_rows`` query rows per KV head (Bq x Hq / Hkv)."""
+    v_weight together; skinny_linear: its weight), block_attention for ``keys`` keys per
+    sequence (context + block) and ``query_rows`` query rows per KV head (Bq x Hq / Hkv)."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     gemm = _c()._cpu_gemm_path(name, int(rows), int(weight_bytes))
     return {"project_features": gemm, "inject_context_kv": gemm,
+            "skinny_linear": "stream" if gemm == "tiles" and 1 <= rows <= 8 else "library",
             "block_attention": _c()._cpu_attention_path(name, int(keys), int(query_rows))}

@@ -128,6 +128,8 @@ def test_min_bytes_by_hand():
     # q and out 2 x [2, 3, 4, 4] + K/V of context and block 2 x [2, 5 + 3, 2, 4], fp16;
     # + cache offsets and lengths (int64)
     assert bo.min_bytes("block_attention", p, 2, 3, context=5, batch=2) == (192 + 256) * 2 + 2 * 2 * 8
+    # weight [6, 8] + x [3, 8] + out [3, 6], fp32
+    assert bo.min_bytes("skinny_linear", p, 4, 3, weight_shape=(6, 8)) == (48 + 24 + 18) * 4
     with pytest.raises(ValueError):
         bo.min_bytes("nope", p, 2, 1)
     # add_bandwidth: GB/s from the row's preset / dtype and its fused time
@@ -179,7 +181,8 @@ def test_bench_ops_cpu_has_no_cuda_columns(tmp_path):
     data = json.loads(out.read_text())
     assert "copy_gbps" not in data["metadata"]
     assert [r["op"] for r in data["rows"]] == ["project_features"] * 2 + ["inject_context_kv"] * 2 + [
-        "block_attention"] * 4
+        "block_attention"] * 4 + ["skinny_linear"] * 8  # q_proj, up_proj, down_proj, lm_head at T 1, 4
+    assert [r["weight"] for r in data["rows"][-8::2]] == ["q_proj", "up_proj", "down_proj", "lm_head"]
     for r in data["rows"]:
         assert r["fused_ms"] > 0 and not any(k in r for k in CUDA_KEYS)
         assert r["eager_ms"] > 0 and r["ratio"] == pytest.approx(r["eager_ms"] / r["fused_ms"])
@@ -240,7 +243,8 @@ def test_bench_ops_cuda_columns_forced_on_cpu(tmp_path, capsys):
     assert meta["copy_gbps"] > 0 and meta["copy_bytes"] == 1 << 20 and isinstance(meta["sdpa_enable_gqa"], bool)
     for r in data["rows"]:
         p = bo.PRESETS[r["preset"]]
-        assert r["min_bytes"] == bo.min_bytes(r["op"], p, 4, r["tokens"], r["context"], r["batch"])
+        assert r["min_bytes"] == bo.min_bytes(r["op"], p, 4, r["tokens"], r["context"], r["batch"],
+                                              r.get("weight_shape"))
         assert r["fused_gbps"] == pytest.approx(r["min_bytes"] / r["fused_ms"] / 1e6)
         assert r["pct_of_copy"] == pytest.approx(100 * r["fused_gbps"] / meta["copy_gbps"])
         sdpa = r["op"] == "block_attention"

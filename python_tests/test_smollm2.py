@@ -65,3 +65,21 @@ def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2
         for block_size in (3, drafter.config.block_size):
             spec = spec_generate(model, drafter, prompt, 24, block_size=block_size, stop_token_ids=[tok.eos_token_id])
             assert spec.tokens == base.tokens
+
+
+@pytest.mark.slow
+def test_demo_reports_the_target_alone_plain_and_streamed(tmp_path):
+    """`python -m dflash_ext generate --baseline` (what ./run.sh demo runs): DFlash with the
+    shipped drafter, the target alone, and the target alone with skinny_linear; fp32 here,
+    so the DFlash output must equal the target's."""
+    import json
+
+    from dflash_ext.__main__ import main
+
+    out = tmp_path / "demo.json"
+    main(["generate", "--baseline", "--dtype", "float32", "--max-new-tokens", "12", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["identical_to_baseline"] is True
+    assert report["dflash"]["new_tokens"] == report["baseline"]["new_tokens"] == 12
+    assert report["streamed_target"]["new_tokens"] == 12
+    assert report["speedup"] > 0 and report["speedup_vs_streamed_target"] > 0
