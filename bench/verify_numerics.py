@@ -13,7 +13,7 @@ greedy continuations of the target), this script measures
      every linear layer on one row at a time (M = 1) and attention one query at a time
      over its own prefix (so no reduction order depends on B);
   3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
-     layer on 2..8 rows through ops.skinny_linear: dflash_ext.decoding.streamed_linears);
+     layer on 1..8 rows through ops.skinny_linear: dflash_ext.decoding.streamed_linears);
   4. what each costs against one one-token forward, for B in --sizes (median times), and
      what one-token decoding itself costs with its linear layers streamed too (could the
      target alone gain as much?).
@@ -86,11 +86,11 @@ def rowwise_verify(model):
 KINDS = ("verify", "streamed", "rowwise")
 
 
-def verify_kind(model, kind: str, min_rows: int = 2):
+def verify_kind(model, kind: str):
     """The context that makes `model`'s pass a verify of `kind` (KINDS)."""
     if kind == "rowwise":
         return rowwise_verify(model)
-    return streamed_linears(model, enabled=kind == "streamed", min_rows=min_rows)
+    return streamed_linears(model, enabled=kind == "streamed")
 
 
 def _forward(runner, ids, cache):
@@ -145,7 +145,7 @@ def time_passes(model, cache, block, context, sizes, timing):
     ms, info = _common.measure({"one": run(block[:, :1]), **{f"verify{b}": run(block[:, :b]) for b in sizes}},
                                **timing)
     for kind in KINDS[1:]:
-        with verify_kind(model, kind, min_rows=1):
+        with verify_kind(model, kind):
             kind_ms, kind_info = _common.measure({f"{kind}{b}": run(block[:, :b]) for b in [1, *sizes]}, **timing)
         ms.update(kind_ms)
         info["noisy"] |= kind_info["noisy"]

@@ -120,32 +120,32 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 STREAM_ROWS = 8  # the most rows ops.skinny_linear streams (csrc/cpu/isa.h, kStreamRows)
 
 
-def _streams(x: torch.Tensor, min_rows: int = 2) -> bool:
-    """Whether a linear layer on `x` goes to ops.skinny_linear: min_rows..8 rows on the CPU."""
-    return x.device.type == "cpu" and min_rows <= x.numel() // max(x.shape[-1], 1) <= STREAM_ROWS
+def _streams(x: torch.Tensor) -> bool:
+    """Whether a linear layer on `x` goes to ops.skinny_linear: 1..8 rows on the CPU."""
+    return x.device.type == "cpu" and 1 <= x.numel() // max(x.shape[-1], 1) <= STREAM_ROWS
 
 
-def linear_rows(layer: nn.Linear, x: torch.Tensor, min_rows: int = 2) -> torch.Tensor:
+def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, through ops.skinny_linear where :func:`_streams` says so (one pass over
-    the weight, where the library GEMM costs about twice its one-row GEMV: bench/RESULTS.md
-    §7). By default one row (one-token decoding, as HF `generate` runs it) and many rows
-    (a prefill) stay on F.linear."""
-    if _streams(x, min_rows):
+    the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
+    2..8 rows, and its GEMV runs below the memory bandwidth on some: bench/RESULTS.md §6);
+    many rows (a prefill) stay on F.linear."""
+    if _streams(x):
         return ops.skinny_linear(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
 
 
 @contextlib.contextmanager
-def streamed_linears(*models: nn.Module, enabled: bool = True, min_rows: int = 2):
+def streamed_linears(*models: nn.Module, enabled: bool = True):
     """Within: every `nn.Linear` of `models` runs as :func:`linear_rows` (the verify pass
-    over B tokens and the drafter's block). Layers that already carry their own forward
-    (another patch, a hook library) are left alone; all are restored on exit."""
+    over B tokens, the drafter's block, one-token passes). Layers that already carry their
+    own forward (another patch, a hook library) are left alone; all are restored on exit."""
     patched = []
     try:
         for model in models if enabled else ():
             for m in model.modules():
                 if type(m) is nn.Linear and "forward" not in m.__dict__:
-                    m.forward = functools.partial(linear_rows, m, min_rows=min_rows)
+                    m.forward = functools.partial(linear_rows, m)
                     patched.append(m)
         yield
     finally:
@@ -526,8 +526,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     new tokens; `streamer` is a Hugging Face streamer (``put``/``end``, e.g. TextStreamer).
     `draft_window` caps how many of the last context tokens every drafter layer sees (long
     contexts; the authors' --draft-sliding-window-size). `stream_linears`: the linear layers
-    of the target and the drafter run as :func:`linear_rows` meanwhile (:func:`streamed_linears`;
-    False: F.linear everywhere, the library GEMM)."""
+    of the target and the drafter run as :func:`linear_rows` meanwhile (:func:`streamed_linears`:
+    the verify passes, and B = 1 when that is the choice; False: F.linear everywhere)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
@@ -602,9 +602,9 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
                     on_tokens: Optional[Callable[[List[int]], None]] = None, streamer=None,
                     stream_linears: bool = False) -> GenerationResult:
     """The target alone, one token per forward pass (the baseline, same sampling rules).
-    `stream_linears`: its linear layers on one row run through ops.skinny_linear too
-    (:func:`streamed_linears` with min_rows=1; default off: F.linear, as HF `generate`)."""
-    with streamed_linears(target, enabled=stream_linears, min_rows=1):
+    `stream_linears`: its linear layers run through ops.skinny_linear (:func:`streamed_linears`;
+    default off: F.linear, as HF `generate` runs them)."""
+    with streamed_linears(target, enabled=stream_linears):
         return _target_generate(target, input_ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p,
                                 generator, on_tokens, streamer)
 

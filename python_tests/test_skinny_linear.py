@@ -90,18 +90,19 @@ def test_streamed_linears_patches_and_restores(monkeypatch):
         with streamed_linears(model):
             streamed = model(x)
             assert calls == [(1, 4, 32), (1, 4, 40)]
-            model(torch.randn(1, 1, 32))               # one row: F.linear
+            model(torch.randn(1, 1, 32))               # one row: streamed too
+            assert len(calls) == 4
             model(torch.randn(1, STREAM_ROWS + 1, 32))  # many rows: F.linear
-            assert len(calls) == 2
+            assert len(calls) == 4
             with streamed_linears(model):              # nested: a no-op, the outer patch survives
                 pass
             model(x)
-            assert len(calls) == 4
+            assert len(calls) == 6
         model(x)
-        assert len(calls) == 4 and "forward" not in model.a.__dict__
+        assert len(calls) == 6 and "forward" not in model.a.__dict__
         with streamed_linears(model, enabled=False):
             model(x)
-        assert len(calls) == 4
+        assert len(calls) == 6
     torch.testing.assert_close(streamed, plain, rtol=1e-5, atol=1e-6)
 
 
