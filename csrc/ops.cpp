@@ -237,6 +237,7 @@ namespace dflash::cpu {
 PyObject* py_cpu_isa(PyObject*, PyObject*);
 PyObject* py_set_cpu_isa(PyObject*, PyObject* arg);
 PyObject* py_cpu_gemm_path(PyObject*, PyObject* args);
+PyObject* py_cpu_skinny_linear_path(PyObject*, PyObject* args);
 PyObject* py_cpu_attention_path(PyObject*, PyObject* args);
 }  // namespace dflash::cpu
 
@@ -271,6 +272,8 @@ static PyMethodDef module_methods[] = {
      "Force the CPU ISA level ('auto' = detected); returns the previous level."},
     {"_cpu_gemm_path", dflash::cpu::py_cpu_gemm_path, METH_VARARGS,
      "(dtype name, rows, weight bytes) -> the GEMM path project_features / inject_context_kv take now."},
+    {"_cpu_skinny_linear_path", dflash::cpu::py_cpu_skinny_linear_path, METH_VARARGS,
+     "(dtype name, rows, weight bytes) -> 'stream' or 'library': what skinny_linear runs now."},
     {"_cpu_attention_path", dflash::cpu::py_cpu_attention_path, METH_VARARGS,
      "(dtype name, keys, query rows per KV head) -> the path block_attention takes now."},
     {nullptr, nullptr, 0, nullptr}};

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import ops
 from .drafter import DFlashDrafter, DraftCache
+from .hardware import skinny_linear_streams
 
 __all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "TargetRunner", "GenerationResult",
            "DFlashProposer", "sample_token", "draft_tokens", "choose_block_size", "BlockSizeChoice", "check_sampling",
@@ -106,7 +107,7 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     Bsz, B, H = hidden.shape
     n = B - 1 if n is None else n
     rows = hidden[:, 1:n + 1].reshape(Bsz * n, H)
-    if _streams(rows):
+    if skinny_linear_streams(rows, weight):
         logits = ops.skinny_linear(rows, weight, bias).view(Bsz, n, -1)
     else:
         pad = _lm_head_padding(rows.shape[0], weight, bias)
@@ -117,20 +118,12 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return best if vocab is None else vocab[best]
 
 
-STREAM_ROWS = 8  # the most rows ops.skinny_linear streams (csrc/cpu/isa.h, kStreamRows)
-
-
-def _streams(x: torch.Tensor) -> bool:
-    """Whether a linear layer on `x` goes to ops.skinny_linear: 1..8 rows on the CPU."""
-    return x.device.type == "cpu" and 1 <= x.numel() // max(x.shape[-1], 1) <= STREAM_ROWS
-
-
 def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`, through ops.skinny_linear where :func:`_streams` says so (one pass over
+    """`layer(x)`, through ops.skinny_linear where its streaming kernel runs (one pass over
     the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
     2..8 rows, and its GEMV runs below the memory bandwidth on some: bench/RESULTS.md §6);
     many rows (a prefill) stay on F.linear."""
-    if _streams(x):
+    if skinny_linear_streams(x, layer.weight):
         return ops.skinny_linear(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
 

@@ -106,14 +106,27 @@ def forced_cpu_isa(level: str):
         set_cpu_isa(prev)
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def skinny_linear_streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``ops.skinny_linear(x, weight)`` runs its streaming kernel (the rule of
+    csrc/cpu/isa.h: 1..8 rows where the GEMM rule says tiles) rather than the library's
+    linear; False off the CPU and for dtypes the op does not take (float64)."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPE_NAMES or x.dim() == 0 or x.shape[-1] == 0:
+        return False
+    rows = x.numel() // x.shape[-1]
+    return _c()._cpu_skinny_linear_path(_DTYPE_NAMES[x.dtype], rows, weight.numel() * weight.element_size()) == "stream"
+
+
 def cpu_paths(dtype: torch.dtype, rows: int = 16, weight_bytes: int = 1 << 30, keys: int = 1024,
               query_rows: int = 48) -> dict:
     """The path each CPU op takes now for ``dtype``: the GEMM ops for ``rows`` input rows over
     ``weight_bytes`` of weights (project_features: fc_weight; inject_context_kv: k_weight and
     v_weight together; skinny_linear: its weight), block_attention for ``keys`` keys per
     sequence (context + block) and ``query_rows`` query rows per KV head (Bq x Hq / Hkv)."""
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    name = _DTYPE_NAMES[dtype]
     gemm = _c()._cpu_gemm_path(name, int(rows), int(weight_bytes))
     return {"project_features": gemm, "inject_context_kv": gemm,
-            "skinny_linear": "stream" if gemm == "tiles" and 1 <= rows <= 8 else "library",
+            "skinny_linear": _c()._cpu_skinny_linear_path(name, int(rows), int(weight_bytes)),
             "block_attention": _c()._cpu_attention_path(name, int(keys), int(query_rows))}

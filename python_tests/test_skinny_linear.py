@@ -6,7 +6,8 @@ from torch import nn
 
 import dflash_ext
 from dflash_ext import reference
-from dflash_ext.decoding import STREAM_ROWS, linear_rows, streamed_linears
+from dflash_ext.decoding import linear_rows, streamed_linears
+from dflash_ext.hardware import skinny_linear_streams
 
 from helpers import DEVICES, DTYPES, check_op, make_gen, randn
 
@@ -92,7 +93,7 @@ def test_streamed_linears_patches_and_restores(monkeypatch):
             assert calls == [(1, 4, 32), (1, 4, 40)]
             model(torch.randn(1, 1, 32))               # one row: streamed too
             assert len(calls) == 4
-            model(torch.randn(1, STREAM_ROWS + 1, 32))  # many rows: F.linear
+            model(torch.randn(1, 9, 32))                # many rows (> 8): F.linear
             assert len(calls) == 4
             with streamed_linears(model):              # nested: a no-op, the outer patch survives
                 pass
@@ -120,3 +121,25 @@ def test_linear_rows_matches_the_layer():
         x = torch.randn(rows, 64)
         with torch.no_grad():
             torch.testing.assert_close(linear_rows(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_linears_leave_other_dtypes_to_f_linear():
+    """float64 (which the op does not take) stays on F.linear: the loop works in any dtype."""
+    model = TwoLayers().double()
+    x = torch.randn(1, 4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        plain = model(x)
+        with streamed_linears(model):
+            torch.testing.assert_close(model(x), plain, rtol=0, atol=0)
+
+
+def test_stream_rule_matches_the_paths():
+    """hardware.skinny_linear_streams and cpu_paths read the one rule of csrc/cpu/isa.h."""
+    from dflash_ext import hardware
+    w = torch.randn(16, 32)
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 32)
+        path = hardware.cpu_paths(torch.float32, rows=rows, weight_bytes=w.numel() * 4)["skinny_linear"]
+        assert skinny_linear_streams(x, w) == (path == "stream") == (rows <= 8)
+    assert not skinny_linear_streams(torch.randn(4, 32, dtype=torch.float64), w.double())
+    assert not skinny_linear_streams(torch.randn(4, 0), torch.randn(16, 0))

@@ -77,6 +77,10 @@ GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
   return GemmPath::tiles;
 }
 
+bool skinny_linear_streams(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
+  return rows >= 1 && rows <= kStreamRows && gemm_path(dtype, rows, weight_bytes) == GemmPath::tiles;
+}
+
 const char* path_name(GemmPath path) {
   switch (path) {
     case GemmPath::onednn: return "onednn";
@@ -133,6 +137,13 @@ PyObject* py_cpu_gemm_path(PyObject*, PyObject* args) {
   long long rows = 0, weight_bytes = 0;
   if (!PyArg_ParseTuple(args, "sLL", &dtype, &rows, &weight_bytes)) return nullptr;
   return PyUnicode_FromString(path_name(gemm_path(dtype_named(dtype), rows, weight_bytes)));
+}
+
+PyObject* py_cpu_skinny_linear_path(PyObject*, PyObject* args) {
+  const char* dtype = nullptr;
+  long long rows = 0, weight_bytes = 0;
+  if (!PyArg_ParseTuple(args, "sLL", &dtype, &rows, &weight_bytes)) return nullptr;
+  return PyUnicode_FromString(skinny_linear_streams(dtype_named(dtype), rows, weight_bytes) ? "stream" : "library");
 }
 
 PyObject* py_cpu_attention_path(PyObject*, PyObject* args) {

@@ -34,6 +34,10 @@ enum class GemmPath { onednn, mkl, tiles };
 GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes);
 const char* path_name(GemmPath path);
 
+// Whether skinny_linear streams `rows` input rows over `weight_bytes` of weights through our
+// kernel (1..kStreamRows rows where gemm_path says tiles) or calls the library's linear.
+bool skinny_linear_streams(at::ScalarType dtype, int64_t rows, int64_t weight_bytes);
+
 // The path of block_attention for `keys` keys per sequence (context + block) and `rows`
 // query rows per KV head (Bq x group): "flash" runs ATen's CPU flash attention, bf16 dot
 // products / AMX tiles, for bf16 where the CPU has bf16 units; "tiles" our split-KV kernel

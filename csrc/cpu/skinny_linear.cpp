@@ -1,6 +1,6 @@
 // CPU skinny_linear: F.linear for a few rows, the weight streamed once. A verify pass of
 // B <= 8 tokens runs every linear layer of the target on B rows, where the library GEMM
-// (MKL sgemm) costs about 2x its one-row GEMV on the CPUs measured (bench/RESULTS.md §7):
+// (MKL sgemm) costs about 2x its one-row GEMV on the CPUs measured (bench/RESULTS.md §1, §6):
 // here each thread owns a block of weight rows and takes the dot products of all input
 // rows with each weight row as it streams past, in fp32 (reduced dtypes converted on the
 // fly). Other shapes, and the rows gemm_path (isa.h) sends to oneDNN, go to at::linear.
@@ -37,8 +37,7 @@ void skinny_linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const SkinnyLinearDims d = check_skinny_linear(x, weight, bias);
   const int64_t weight_bytes = weight.numel() * weight.element_size();
-  if (d.M == 0 || d.M > kStreamRows || d.K == 0 || gemm_path(x.scalar_type(), d.M, weight_bytes) != GemmPath::tiles)
-    return at::linear(x, weight, bias);
+  if (d.K == 0 || !skinny_linear_streams(x.scalar_type(), d.M, weight_bytes)) return at::linear(x, weight, bias);
   const at::Tensor xr = with_readable_rows(x), w = weight.contiguous();
   at::Tensor out = at::empty({d.M, d.N}, x.options());
   DFLASH_DISPATCH_FLOATING(out.scalar_type(), "skinny_linear", [&] {
