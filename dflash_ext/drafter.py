@@ -650,35 +650,39 @@ class DFlashDrafter(nn.Module):
         concatenated); block_embeds [nb, B, H]: target embeddings of [anchor token, MASK...];
         anchors [nb]: block positions. Block a attends to the context rows at positions
         < anchors[a] and to its own B rows, exactly what the block drafted at anchors[a]
-        sees at inference. Attention runs per block ([nb, Hq, B, S + B] scores), so its
-        cost grows linearly with the number of anchors. Returns final-normed hidden [nb, B, H].
+        sees at inference. The scores against the context, shared by all blocks, and
+        against each block's own rows are one softmax ([nb, B, S + B] per head) without
+        copying the context keys per block, so the cost grows linearly with the number of
+        anchors. Returns final-normed hidden [nb, B, H].
         """
-        from .training.recipe import block_mask
+        from .training.recipe import context_mask
 
         c = self.config
         S = features.shape[0]
         nb, B, H = block_embeds.shape
-        D, Hkv = c.head_dim, c.num_key_value_heads
+        D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        group, scale = Hq // Hkv, D ** -0.5
         cos, sin = self.rope_tables(S + B)
         ctx = self.hidden_norm(self.fc(features))
         cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
         pos = anchors[:, None] + torch.arange(B, device=anchors.device)  # [nb, B]
         cos_b, sin_b = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
-        masks = {w: block_mask(anchors, S, B, w)[:, None, None, :]  # [nb, 1, 1, S + B], broadcast over heads, rows
-                 for w in set(c.layer_windows)}
+        hidden_ctx = {w: ~context_mask(anchors, S, w)[:, None, :] for w in set(c.layer_windows)}  # [nb, 1, S]
         x = block_embeds
         for layer, window in zip(self.layers, c.layer_windows):
-            mask = masks[window]
             a = layer.self_attn
             k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
             v_ctx = a.v_proj(ctx).view(S, Hkv, D)
 
-            def attend(q, k, v):  # q [nb, B, Hq, D]; k, v [nb, B, Hkv, D]
-                keys = torch.cat([k_ctx.expand(nb, S, Hkv, D), k], 1).transpose(1, 2)  # [nb, Hkv, S + B, D]
-                values = torch.cat([v_ctx.expand(nb, S, Hkv, D), v], 1).transpose(1, 2)
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                   scale=D ** -0.5, enable_gqa=True)
-                return o.transpose(1, 2)
+            def attend(q, k, v, hidden=hidden_ctx[window], k_ctx=k_ctx, v_ctx=v_ctx):
+                # q [nb, B, Hq, D]; k, v [nb, B, Hkv, D]; query head h reads kv head h // group
+                q = q.reshape(nb, B, Hkv, group, D) * scale
+                on_ctx = torch.einsum("nbhgd,shd->hgnbs", q, k_ctx).masked_fill(hidden, float("-inf"))
+                on_own = torch.einsum("nbhgd,nchd->hgnbc", q, k)
+                p = torch.cat([on_ctx, on_own], -1).softmax(-1)  # [Hkv, group, nb, B, S + B]
+                o = (torch.einsum("hgnbs,shd->nbhgd", p[..., :S], v_ctx)
+                     + torch.einsum("hgnbc,nchd->nbhgd", p[..., S:], v))
+                return o.reshape(nb, B, Hq, D)
 
             x = layer(x, cos_b, sin_b, attend)
         return self.norm(x)

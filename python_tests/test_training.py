@@ -9,22 +9,25 @@ import torch
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
-from dflash_ext.training.recipe import IGNORE, block_labels, block_mask, loss_weights, sample_anchors
+from dflash_ext.training.recipe import IGNORE, block_labels, context_mask, loss_weights, sample_anchors
 from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
                                         tau_of, train)
 from decoding_helpers import tiny_target, tiny_target_config
 
 
-def test_block_mask_matches_hand_built_mask():
-    S, B = 6, 2
-    anchors = torch.tensor([2, 4])
-    m = block_mask(anchors, S, B)
-    # rows: block 0 (anchor 2), block 1 (anchor 4); cols: ctx 0..5, then the block's own 2 rows
-    expected = torch.tensor([
-        [1, 1, 0, 0, 0, 0, 1, 1],
-        [1, 1, 1, 1, 0, 0, 1, 1],
-    ], dtype=torch.bool)
-    assert torch.equal(m, expected)
+def test_context_mask_matches_hand_built_mask():
+    anchors = torch.tensor([2, 4, 5])
+    # rows: blocks at anchors 2, 4, 5; cols: context rows 0..5
+    assert torch.equal(context_mask(anchors, 6), torch.tensor([
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+    ], dtype=torch.bool))
+    assert torch.equal(context_mask(anchors, 6, window=2), torch.tensor([  # the last 2 rows before the anchor
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+    ], dtype=torch.bool))
 
 
 def test_labels_line_up_with_slots():
@@ -71,10 +74,13 @@ def test_target_features_are_the_models_hidden_states():
     assert torch.equal(got, torch.cat([hs[1][0], hs[4][0], hs[6][0]], -1))
 
 
-def test_training_forward_equals_the_inference_draft_step():
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_training_forward_equals_the_inference_draft_step(sliding_window):
     torch.manual_seed(0)
     d = DFlashDrafter.from_target(tiny_target_config(), num_layers=2, block_size=4)
     c, S = d.config, 20
+    if sliding_window:  # layer 0 sees the last 5 context rows, layer 1 all of them
+        c.sliding_window, c.layer_types = sliding_window, ["sliding_attention", "full_attention"]
     feats = torch.randn(S, len(c.target_layer_ids) * c.hidden_size)
     anchors, emb = torch.tensor([3, 7, 12, 16]), torch.randn(4, 4, c.hidden_size)
     hidden = d(feats, emb, anchors)

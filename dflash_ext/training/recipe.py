@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["IGNORE", "default_gamma", "sample_anchors", "block_mask", "block_labels", "loss_weights"]
+__all__ = ["IGNORE", "default_gamma", "sample_anchors", "context_mask", "block_labels", "loss_weights"]
 
 IGNORE = -100  # label of a slot past the end of the sequence (cross_entropy's ignore_index)
 
@@ -36,16 +36,15 @@ def sample_anchors(response_start: int, seq_len: int, block_size: int, n: int,
     return (pick + lo).sort().values
 
 
-def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, window: int = 0) -> torch.Tensor:
-    """Boolean mask [nb, seq_len + block_size] (True = attend) of the per-block attention:
-    block a sees the context rows at positions < anchors[a] (only the last `window` of
-    them when window > 0, as a sliding layer does at inference), then its own B rows."""
-    nb = anchors.numel()
+def context_mask(anchors: torch.Tensor, seq_len: int, window: int = 0) -> torch.Tensor:
+    """Boolean mask [nb, seq_len] (True = attend) of the context rows each block sees:
+    block a sees the rows at positions < anchors[a] (only the last `window` of them when
+    window > 0, as a sliding layer does at inference). Its own B rows it always sees."""
     pos = torch.arange(seq_len, device=anchors.device)[None, :]
     ctx = pos < anchors[:, None]
     if window > 0:
         ctx &= pos >= anchors[:, None] - window
-    return torch.cat([ctx, ctx.new_ones(nb, block_size)], dim=1)
+    return ctx
 
 
 def block_labels(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

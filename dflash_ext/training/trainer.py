@@ -101,7 +101,10 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
         embeds = frozen.embed(block_ids).to(features.dtype)
     hidden = drafter(features, embeds, anchors)[:, 1:]
     labels = block_labels(input_ids, anchors, B)
-    logits = F.linear(hidden, frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
+    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the
+    # weight expanded per block (measured: most of a CPU training step)
+    logits = F.linear(hidden.flatten(0, 1), frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
+    logits = logits.view(*labels.shape, -1)
     correct = None
     if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary
         with torch.no_grad():
