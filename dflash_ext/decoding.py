@@ -330,33 +330,29 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     is timed here, at `context_len` tokens of context (median of 5), with the linear layers
     as :func:`spec_generate` runs them (`stream_linears`)."""
     with streamed_linears(target, drafter, enabled=stream_linears):
-        return _choose_block_size(target, drafter, context_len, candidates)
+        trained = drafter.config.block_size
+        profile = getattr(drafter, "acceptance_profile", None)
+        sizes = sorted({b for b in candidates if b <= trained} | {trained})
+        if not profile:
+            return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
+        runner = TargetRunner(target, drafter.config.target_layer_ids)
+        ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=runner.device)
+        _, feats, cache = runner(ids, None)
+        proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
+        proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=runner.device))
 
+        def verify(n):
+            runner(ids[:, :n], cache, hidden_states=n > 1)
+            _crop(cache, ids.shape[1])
 
-def _choose_block_size(target, drafter: DFlashDrafter, context_len: int, candidates) -> BlockSizeChoice:
-    trained = drafter.config.block_size
-    profile = getattr(drafter, "acceptance_profile", None)
-    sizes = sorted({b for b in candidates if b <= trained} | {trained})
-    if not profile:
-        return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
-    runner = TargetRunner(target, drafter.config.target_layer_ids)
-    ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=runner.device)
-    _, feats, cache = runner(ids, None)
-    proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
-    proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=runner.device))
-
-    def verify(n):
-        runner(ids[:, :n], cache, hidden_states=n > 1)
-        _crop(cache, ids.shape[1])
-
-    expected, seconds, speed = {}, {}, {}
-    for b in sizes:
-        expected[b] = 1 + sum(profile[:b - 1])
-        draft_s = _median_seconds(lambda: proposer.propose(1, context_len, b - 1)) if b > 1 else 0.0
-        seconds[b] = draft_s + _median_seconds(lambda: verify(b))
-        speed[b] = expected[b] / seconds[b]
-    best = max(sizes, key=lambda b: speed[b])
-    return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
+        expected, seconds, speed = {}, {}, {}
+        for b in sizes:
+            expected[b] = 1 + sum(profile[:b - 1])
+            draft_s = _median_seconds(lambda: proposer.propose(1, context_len, b - 1)) if b > 1 else 0.0
+            seconds[b] = draft_s + _median_seconds(lambda: verify(b))
+            speed[b] = expected[b] / seconds[b]
+        best = max(sizes, key=lambda b: speed[b])
+        return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
 
 
 def cache_kwarg(model) -> str:
@@ -375,8 +371,9 @@ def returned_cache(out):
 class TargetRunner:
     """One target's forward as the loop calls it. The signature is inspected once
     (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
-    are asked for where transformers can select them (5.x takes a list of indices in `output_hidden_states`; the tuple keeps its layout,
-    with None elsewhere); otherwise, or if the model returns None for one of them, all."""
+    are asked for where transformers can select them (5.x takes a list of indices in
+    `output_hidden_states`; the tuple keeps its layout, with None elsewhere); otherwise, or
+    if the model returns None for one of them, all."""
 
     def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
         self.target = target
@@ -528,64 +525,58 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         raise ValueError(f"spec_generate decodes one sequence; input_ids has batch {ids.shape[0]}")
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
-        return _spec_generate(target, drafter, ids, max_new_tokens, temperature, block_size, stop_token_ids,
-                              top_k, top_p, generator, fused, on_tokens, draft_window, streamer, stream_linears)
-
-
-def _spec_generate(target, drafter, ids, max_new_tokens, temperature, block_size, stop_token_ids, top_k, top_p,
-                   generator, fused, on_tokens, draft_window, streamer, stream_linears) -> GenerationResult:
-    device = next(target.parameters()).device
-    ids = ids.to(device)
-    n_prompt = ids.shape[1]
-    if isinstance(drafter, DFlashDrafter):
-        trained = drafter.config.block_size
-        if block_size == "auto":
-            block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears).block_size
-        B = block_size or trained
+        device = next(target.parameters()).device
+        ids = ids.to(device)
+        n_prompt = ids.shape[1]
+        if isinstance(drafter, DFlashDrafter):
+            trained = drafter.config.block_size
+            if block_size == "auto":
+                block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears).block_size
+            B = block_size or trained
+            if not isinstance(B, int) or B < 1:
+                raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
+            if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
+                return target_generate(target, ids, max_new_tokens, temperature=temperature,
+                                       stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
+                                       on_tokens=on_tokens, streamer=streamer)
+            # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
+            proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + max(B, trained),
+                                      fused=fused, draft_window=draft_window)
+            layer_ids = drafter.config.target_layer_ids
+        else:
+            B, proposer = block_size, drafter
+            layer_ids = getattr(drafter, "layer_ids", None)
         if not isinstance(B, int) or B < 1:
-            raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
-        if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
-            return target_generate(target, ids, max_new_tokens, temperature=temperature,
-                                   stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
-                                   on_tokens=on_tokens, streamer=streamer)
-        # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
-        proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + max(B, trained), fused=fused,
-                                  draft_window=draft_window)
-        layer_ids = drafter.config.target_layer_ids
-    else:
-        B, proposer = block_size, drafter
-        layer_ids = getattr(drafter, "layer_ids", None)
-    if not isinstance(B, int) or B < 1:
-        raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
-    runner = TargetRunner(target, layer_ids)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    res = GenerationResult(tokens=[], block_size=B)
-    if streamer is not None:
-        streamer.put(ids.cpu())
-    emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
+            raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
+        runner = TargetRunner(target, layer_ids)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        res = GenerationResult(tokens=[], block_size=B)
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
 
-    start = time.perf_counter()
-    clock = _PhaseClock(device)
-    logits, hidden, cache = runner(ids, None, last_logits_only=True)
-    clock("verify")
-    state = DecodeState(cache, int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
-    res.time_to_first_token = time.perf_counter() - start
-    done = emit([state.last])
-    if not done and B > 1:
-        proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
-    clock("draft")
-    while not done:
-        verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-        new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
-        before = len(res.tokens)
-        done = emit(new)
-        res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
-        clock("other")
-    if streamer is not None:
-        streamer.end()
-    res.total_time = time.perf_counter() - start
-    res.draft_time, res.verify_time = clock.totals["draft"], clock.totals["verify"]
-    return res
+        start = time.perf_counter()
+        clock = _PhaseClock(device)
+        logits, hidden, cache = runner(ids, None, last_logits_only=True)
+        clock("verify")
+        state = DecodeState(cache, int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
+        res.time_to_first_token = time.perf_counter() - start
+        done = emit([state.last])
+        if not done and B > 1:
+            proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
+        clock("draft")
+        while not done:
+            verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
+            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
+            before = len(res.tokens)
+            done = emit(new)
+            res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
+            clock("other")
+        if streamer is not None:
+            streamer.end()
+        res.total_time = time.perf_counter() - start
+        res.draft_time, res.verify_time = clock.totals["draft"], clock.totals["verify"]
+        return res
 
 
 @torch.no_grad()
@@ -598,33 +589,27 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
     `stream_linears`: its linear layers run through ops.skinny_linear (:func:`streamed_linears`;
     default off: F.linear, as HF `generate` runs them)."""
     with streamed_linears(target, enabled=stream_linears):
-        return _target_generate(target, input_ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p,
-                                generator, on_tokens, streamer)
-
-
-def _target_generate(target, input_ids, max_new_tokens, temperature, stop_token_ids, top_k, top_p, generator,
-                     on_tokens, streamer) -> GenerationResult:
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)
-    runner = TargetRunner(target)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    res = GenerationResult(tokens=[], block_size=1)
-    if streamer is not None:
-        streamer.put(ids.cpu())
-    emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
-    start = time.perf_counter()
-    cache, done = None, False
-    while not done:
-        logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)
-        t = int(sample_token(logits[0, -1:], **sampling)[0])
-        if not res.tokens:
-            res.time_to_first_token = time.perf_counter() - start
-        res.acceptance_lengths.append(1)
-        done = emit([t])
-        ids = torch.tensor([[t]], device=ids.device)
-    if streamer is not None:
-        streamer.end()
-    res.total_time = time.perf_counter() - start
-    res.verify_time = res.total_time
-    return res
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)
+        runner = TargetRunner(target)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        res = GenerationResult(tokens=[], block_size=1)
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
+        start = time.perf_counter()
+        cache, done = None, False
+        while not done:
+            logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)
+            t = int(sample_token(logits[0, -1:], **sampling)[0])
+            if not res.tokens:
+                res.time_to_first_token = time.perf_counter() - start
+            res.acceptance_lengths.append(1)
+            done = emit([t])
+            ids = torch.tensor([[t]], device=ids.device)
+        if streamer is not None:
+            streamer.end()
+        res.total_time = time.perf_counter() - start
+        res.verify_time = res.total_time
+        return res
