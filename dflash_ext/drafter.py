@@ -679,7 +679,8 @@ class DFlashDrafter(nn.Module):
                 q = q.reshape(nb, B, Hkv, group, D) * scale
                 on_ctx = torch.einsum("nbhgd,shd->hgnbs", q, k_ctx).masked_fill(hidden, float("-inf"))
                 on_own = torch.einsum("nbhgd,nchd->hgnbc", q, k)
-                p = torch.cat([on_ctx, on_own], -1).softmax(-1)  # [Hkv, group, nb, B, S + B]
+                # [Hkv, group, nb, B, S + B], normalised in fp32 (CPU autocast would keep a bf16 softmax in bf16)
+                p = torch.cat([on_ctx, on_own], -1).softmax(-1, dtype=torch.float32).to(v.dtype)
                 o = (torch.einsum("hgnbs,shd->nbhgd", p[..., :S], v_ctx)
                      + torch.einsum("hgnbc,nchd->nbhgd", p[..., S:], v))
                 return o.reshape(nb, B, Hq, D)
