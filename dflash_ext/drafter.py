@@ -673,8 +673,9 @@ class DFlashDrafter(nn.Module):
             a = layer.self_attn
             k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
             v_ctx = a.v_proj(ctx).view(S, Hkv, D)
+            hidden = hidden_ctx[window]
 
-            def attend(q, k, v, hidden=hidden_ctx[window], k_ctx=k_ctx, v_ctx=v_ctx):
+            def attend(q, k, v):  # called within this iteration, so the closure sees this layer's tensors
                 # q [nb, B, Hq, D]; k, v [nb, B, Hkv, D]; query head h reads kv head h // group
                 q = q.reshape(nb, B, Hkv, group, D) * scale
                 on_ctx = torch.einsum("nbhgd,shd->hgnbs", q, k_ctx).masked_fill(hidden, float("-inf"))
