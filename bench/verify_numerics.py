@@ -14,7 +14,13 @@ greedy continuations of the target), this script measures
      over its own prefix (so no reduction order depends on B);
   3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
      layer on 1..8 rows through ops.skinny_linear: dflash_ext.decoding.streamed_linears);
-  4. what each costs against one one-token forward, for B in --sizes (median times), and
+  4. the same for an *exact* verify: the streamed linear layers and attention one query at
+     a time, against one-token decoding with its linear layers streamed too. skinny_linear
+     takes each row's dot products in the same order for 1 to 4 rows (csrc/cpu/cpu_utils.h,
+     skinny_gemm_nt), so where every linear layer of the target streams (its rule:
+     dflash_ext.hardware.skinny_linear_streams) a verify over B <= 4 tokens should give
+     that decoding's logits bit for bit at little cost;
+  5. what each costs against one one-token forward, for B in --sizes (median times), and
      what one-token decoding itself costs with its linear layers streamed too (could the
      target alone gain as much?).
 
@@ -64,33 +70,45 @@ def _rowwise_linear(self, x):
 
 
 @contextlib.contextmanager
-def rowwise_verify(model):
-    """Within the block, `model` computes every linear layer one row at a time and
-    attention one query at a time (see the module docstring)."""
+def rowwise_attention(model):
+    """Within the block, `model` computes attention one query at a time."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     before = model.config._attn_implementation
+    model.set_attn_implementation(ROWWISE_ATTENTION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+@contextlib.contextmanager
+def rowwise_linears(model):
+    """Within the block, `model` computes every linear layer one row at a time."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears:
         m.forward = types.MethodType(_rowwise_linear, m)
-    model.set_attn_implementation(ROWWISE_ATTENTION)
     try:
         yield model
     finally:
         for m in linears:
             del m.forward  # back to the class's forward
-        model.set_attn_implementation(before)
 
 
-KINDS = ("verify", "streamed", "rowwise")
+KINDS = ("verify", "streamed", "rowwise", "exact")
 
 
+@contextlib.contextmanager
 def verify_kind(model, kind: str):
     """The context that makes `model`'s pass a verify of `kind` (KINDS)."""
-    if kind == "rowwise":
-        return rowwise_verify(model)
-    return streamed_linears(model, enabled=kind == "streamed")
+    with contextlib.ExitStack() as stack:
+        if kind in ("rowwise", "exact"):
+            stack.enter_context(rowwise_attention(model))
+        if kind == "rowwise":
+            stack.enter_context(rowwise_linears(model))
+        stack.enter_context(streamed_linears(model, enabled=kind in ("streamed", "exact")))
+        yield model
 
 
 def _forward(runner, ids, cache):
@@ -100,10 +118,12 @@ def _forward(runner, ids, cache):
 
 @torch.no_grad()
 def compare(model, prompt_ids, sizes):
-    """Greedy-decode max(sizes) tokens one at a time from `prompt_ids`, then run the first B
-    of them as one verify pass, plain and row-wise, for each B of `sizes`: per B and kind,
-    how many of the B logit rows equal decoding's bitwise / in their argmax, and the largest
-    difference. Also returns the cache (at the prompt), the greedy block and its context."""
+    """Greedy-decode max(sizes) tokens one at a time from `prompt_ids` (and feed the same
+    tokens one at a time again with the linear layers streamed), then run the first B of
+    them as one verify pass of each kind (KINDS), for each B of `sizes`: per B and kind, how
+    many of the B logit rows equal decoding's bitwise / in their argmax, and the largest
+    difference; the exact kind against the streamed decoding, the others against the plain
+    one. Also returns the cache (at the prompt), the greedy block and its context."""
     from transformers import DynamicCache
 
     runner = TargetRunner(model)
@@ -117,13 +137,17 @@ def compare(model, prompt_ids, sizes):
         tokens.append(int(row.argmax()))
     decoded = torch.stack(decoded).float()
     block = torch.tensor([tokens[:max(sizes)]])
+    _crop(cache, context)
+    with streamed_linears(model):
+        decoded_streamed = torch.cat([_forward(runner, block[:, i:i + 1], cache) for i in range(block.shape[1])])
+    decoded_streamed = decoded_streamed.float()
     result = {}
     for b in sizes:
         for kind in KINDS:
             _crop(cache, context)
             with verify_kind(model, kind):
                 got = _forward(runner, block[:, :b], cache).float()
-            want = decoded[:b]
+            want = (decoded_streamed if kind == "exact" else decoded)[:b]
             result[b, kind] = dict(rows=b, bitwise_rows=int((got == want).all(-1).sum()),
                                    argmax_rows=int((got.argmax(-1) == want.argmax(-1)).sum()),
                                    max_abs_diff=float((got - want).abs().max()))
@@ -210,9 +234,12 @@ def main(argv=None) -> int:
         ("rowwise_bitwise_rows", "row-wise: bitwise rows",
          lambda r: f"{r['rowwise_bitwise_rows']}/{r['rowwise_rows']}"),
         ("rowwise_max_abs_diff", "max |diff|", "{:.2e}"),
+        ("exact_bitwise_rows", "exact: bitwise rows vs streamed decoding",
+         lambda r: f"{r['exact_bitwise_rows']}/{r['exact_rows']}"),
+        ("exact_argmax_rows", "same argmax", lambda r: f"{r['exact_argmax_rows']}/{r['exact_rows']}"),
         ("one_ms", "1 token ms", "{:.1f}"),
         ("verify_x", "verify B / 1 token", "{:.2f}x"), ("streamed_x", "streamed B / 1 token", "{:.2f}x"),
-        ("rowwise_x", "row-wise B / 1 token", "{:.2f}x"),
+        ("rowwise_x", "row-wise B / 1 token", "{:.2f}x"), ("exact_x", "exact B / 1 token", "{:.2f}x"),
         ("one_streamed_x", "1 token streamed / 1 token", "{:.2f}x"),
     ]))
     if any(r["noisy"] for r in rows):

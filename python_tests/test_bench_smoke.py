@@ -258,21 +258,30 @@ def test_bench_ops_cuda_columns_forced_on_cpu(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rowwise_verify_reproduces_one_token_decoding(dtype):
     """The row-wise verify calls the kernels one-token decoding calls: its logits equal
-    decoding's bitwise, row by row; leaving it restores the model's own forward."""
+    decoding's bitwise, row by row. The exact verify (streamed linear layers, attention
+    one query at a time) equals decoding with streamed linear layers bitwise at B <= 4,
+    where skinny_linear sums each row in the same order as for one row. Leaving either
+    restores the model's own forward."""
     from decoding_helpers import tiny_target
+    from dflash_ext import hardware
 
     vn = _bench_module("verify_numerics")
     model = tiny_target().to(dtype)
     model.set_attn_implementation("sdpa")
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(hardware.skinny_linear_streams(torch.zeros(b, linear.in_features, dtype=dtype), linear.weight)
+               for b in (1, 4))  # the tiny target's layers stream: the exact verify's premise
     prompt = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    result, cache, block, context = vn.compare(model, prompt, [2, 5, 9])
-    for b in (2, 5, 9):
+    result, cache, block, context = vn.compare(model, prompt, [2, 4, 5, 9])
+    for b in (2, 4, 5, 9):
         row = result[b, "rowwise"]
         assert row["rows"] == b and row["bitwise_rows"] == b and row["max_abs_diff"] == 0.0
         assert result[b, "verify"]["argmax_rows"] >= b - 1  # plain verify: last bits only
+    for b in (2, 4):
+        row = result[b, "exact"]
+        assert row["rows"] == b and row["bitwise_rows"] == b and row["max_abs_diff"] == 0.0
     assert cache.get_seq_length() == context and block.shape == (1, 9)
-    # Leaving rowwise_verify restores the model: a plain pass equals a fresh model's.
-    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # Leaving the verify kinds restores the model: a plain pass equals a fresh model's.
     assert "forward" not in vars(linear) and model.config._attn_implementation == "sdpa"
     fresh = tiny_target().to(dtype)
     fresh.set_attn_implementation("sdpa")
@@ -293,7 +302,8 @@ def test_verify_numerics_quick(tmp_path):
     for r in data["rows"]:
         assert r["verify_rows"] == r["rowwise_rows"] == 2 * r["block_size"]  # one HumanEval + one MT-Bench prompt
         assert r["rowwise_bitwise_rows"] == r["rowwise_rows"]
-        assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0
+        assert r["exact_rows"] == r["verify_rows"]
+        assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0 and r["exact_x"] > 0
 
 
 # --------------------------------------------------------------------------- learning_curve.py
