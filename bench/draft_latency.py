@@ -31,8 +31,9 @@ import _common  # noqa: E402
 from _common import DTYPES, OUT_DIR, MismatchError, format_table  # noqa: E402
 
 from dflash_ext import ops, reference  # noqa: E402
-from dflash_ext.decoding import capture_cuda_graph, draft_tokens  # noqa: E402
-from dflash_ext.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids  # noqa: E402
+from dflash_ext.proposer import capture_cuda_graph, draft_tokens  # noqa: E402
+from dflash_ext.config import DFlashConfig, default_target_layer_ids  # noqa: E402
+from dflash_ext.drafter import DFlashDrafter  # noqa: E402
 
 PRESETS = _common.DRAFTERS  # DFlashConfig fields, plus k target features and the rope theta
 ALL_BLOCKS, ALL_CONTEXTS = [2, 4, 8, 10, 16, 32], [512, 2048, 8192, 32768]

@@ -13,7 +13,7 @@ greedy continuations of the target), this script measures
      every linear layer on one row at a time (M = 1) and attention one query at a time
      over its own prefix (so no reduction order depends on B);
   3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
-     layer on 1..8 rows through ops.skinny_linear: dflash_ext.decoding.streamed_linears);
+     layer on 1..8 rows through ops.skinny_linear: dflash_ext.target.streamed_linears);
   4. the same for an *exact* verify: the streamed linear layers and attention one query at
      a time, against one-token decoding with its linear layers streamed too. skinny_linear
      takes each row's dot products in the same order for 1 to 4 rows (csrc/cpu/cpu_utils.h,
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from dflash_ext.decoding import TargetRunner, _crop, streamed_linears  # noqa: E402
+from dflash_ext.target import TargetRunner, crop_cache, streamed_linears  # noqa: E402
 from _common import DTYPES, OUT_DIR, format_table  # noqa: E402
 
 ROWWISE_ATTENTION = "rowwise_sdpa"  # no "flash" in the name: transformers would look for a flash-attention kernel
@@ -137,21 +137,21 @@ def compare(model, prompt_ids, sizes):
         tokens.append(int(row.argmax()))
     decoded = torch.stack(decoded).float()
     block = torch.tensor([tokens[:max(sizes)]])
-    _crop(cache, context)
+    crop_cache(cache, context)
     with streamed_linears(model):
         decoded_streamed = torch.cat([_forward(runner, block[:, i:i + 1], cache) for i in range(block.shape[1])])
     decoded_streamed = decoded_streamed.float()
     result = {}
     for b in sizes:
         for kind in KINDS:
-            _crop(cache, context)
+            crop_cache(cache, context)
             with verify_kind(model, kind):
                 got = _forward(runner, block[:, :b], cache).float()
             want = (decoded_streamed if kind == "exact" else decoded)[:b]
             result[b, kind] = dict(rows=b, bitwise_rows=int((got == want).all(-1).sum()),
                                    argmax_rows=int((got.argmax(-1) == want.argmax(-1)).sum()),
                                    max_abs_diff=float((got - want).abs().max()))
-    _crop(cache, context)
+    crop_cache(cache, context)
     return result, cache, block, context
 
 
@@ -164,7 +164,7 @@ def time_passes(model, cache, block, context, sizes, timing):
         def fn():
             with torch.no_grad():
                 _forward(runner, ids, cache)
-            _crop(cache, context)
+            crop_cache(cache, context)
         return fn
     ms, info = _common.measure({"one": run(block[:, :1]), **{f"verify{b}": run(block[:, :b]) for b in sizes}},
                                **timing)

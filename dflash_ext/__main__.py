@@ -129,7 +129,7 @@ def cmd_generate(args):
 
 
 def cmd_gen_data(args):
-    from .drafter import default_target_layer_ids
+    from .config import default_target_layer_ids
     from .hardware import cpu_description
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts

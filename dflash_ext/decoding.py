@@ -11,25 +11,19 @@ target's (temperature / top-k / top-p processed) distribution and a draft token 
 accepted only when it equals that sample (sample-and-match), so every emitted token is
 a sample of the target itself: the output distribution is exactly the target's.
 """
-import contextlib
-import functools
-import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import ops
-from .drafter import DFlashDrafter, DraftCache
-from .hardware import skinny_linear_streams
+from .drafter import DFlashDrafter
+from .proposer import DFlashProposer
+from .target import TargetRunner, crop_cache, streamed_linears
 
-__all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "TargetRunner", "GenerationResult",
-           "DFlashProposer", "sample_token", "draft_tokens", "choose_block_size", "BlockSizeChoice", "check_sampling",
-           "linear_rows", "streamed_linears"]
-
+__all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "GenerationResult",
+           "sample_token", "check_sampling", "choose_block_size", "BlockSizeChoice"]
 
 @dataclass
 class GenerationResult:
@@ -89,211 +83,6 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _crop(cache, keep: int) -> None:
-    """Roll a Hugging Face cache back to its first `keep` tokens (transformers 5.x takes
-    the negative number of tokens to drop)."""
-    drop = cache.get_seq_length() - keep
-    if drop > 0:
-        cache.crop(-drop)
-
-
-def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 vocab: Optional[torch.Tensor] = None, n: Optional[int] = None) -> torch.Tensor:
-    """Greedy draft tokens [Bsz, n] from the drafter's final hidden states [Bsz, B, H]: the
-    argmax of the LM head (`weight`, `bias`) at slots 1..n (default n = B - 1; slot 0 is the
-    last accepted token). Only those n rows go through the LM head, the step's largest
-    GEMM. With a draft vocabulary, `weight` holds the rows of those token ids only and
-    `vocab` maps back."""
-    Bsz, B, H = hidden.shape
-    n = B - 1 if n is None else n
-    rows = hidden[:, 1:n + 1].reshape(Bsz * n, H)
-    if skinny_linear_streams(rows, weight):
-        logits = ops.skinny_linear(rows, weight, bias).view(Bsz, n, -1)
-    else:
-        pad = _lm_head_padding(rows.shape[0], weight, bias)
-        if pad:
-            rows = F.pad(rows, (0, 0, 0, pad))
-        logits = F.linear(rows, weight, bias)[:Bsz * n].view(Bsz, n, -1)
-    best = logits.argmax(-1)
-    return best if vocab is None else vocab[best]
-
-
-def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`, through ops.skinny_linear where its streaming kernel runs (one pass over
-    the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
-    2..8 rows, and its GEMV runs below the memory bandwidth on some: bench/RESULTS.md §6);
-    many rows (a prefill) stay on F.linear."""
-    if skinny_linear_streams(x, layer.weight):
-        return ops.skinny_linear(x, layer.weight, layer.bias)
-    return F.linear(x, layer.weight, layer.bias)
-
-
-@contextlib.contextmanager
-def streamed_linears(*models: nn.Module, enabled: bool = True):
-    """Within: every `nn.Linear` of `models` runs as :func:`linear_rows` (the verify pass
-    over B tokens, the drafter's block, one-token passes). Layers that already carry their
-    own forward (another patch, a hook library) are left alone; all are restored on exit."""
-    patched = []
-    try:
-        for model in models if enabled else ():
-            for m in model.modules():
-                if type(m) is nn.Linear and "forward" not in m.__dict__:
-                    m.forward = functools.partial(linear_rows, m)
-                    patched.append(m)
-        yield
-    finally:
-        for m in patched:
-            del m.forward
-
-
-_PADDING = {}  # (rows, weight shape, dtype, bias?) -> rows to add
-
-
-def _lm_head_padding(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
-    """Rows to pad an LM-head GEMM with on CPU: 0 or up to a multiple of 16, whichever this
-    machine runs faster (measured once per shape). CPU GEMM kernels run some row counts
-    far slower than the next multiple of 16 (MKL in fp32: 10 rows about 2x slower than 16,
-    bench/RESULTS.md §2), others faster (bf16 with avx512_bf16: 3 rows in half the time of 16)."""
-    pad = -rows % 16
-    if weight.device.type != "cpu" or pad == 0:
-        return 0
-    key = (rows, tuple(weight.shape), weight.dtype, bias is not None)
-    if key not in _PADDING:
-        plain, padded = (torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in (rows, rows + pad))
-        best = {0: float("inf"), pad: float("inf")}
-        with torch.no_grad():
-            for _ in range(8):  # interleaved, the minimum of each: robust to other work on the cores
-                for p, x in ((0, plain), (pad, padded)):
-                    t = time.perf_counter()
-                    F.linear(x, weight, bias)
-                    best[p] = min(best[p], time.perf_counter() - t)
-        _PADDING[key] = min(best, key=best.get)
-    return _PADDING[key]
-
-
-class DFlashProposer:
-    """Glue between the drafter and one target: the target's embedding and LM head, the
-    drafter's context cache, and the selected target layers.
-
-    On CUDA the draft step reads nothing back on the host: the indices come from our own
-    cache, so the fused ops run with ``validate=False`` (their kernels guard every index),
-    the cache lengths live in a device tensor updated in place, and the RoPE tables cover
-    every reachable position from the start. So the whole step (block embedding, N
-    layers, final norm, LM head, argmax) is captured in a CUDA graph per block size and
-    replayed (``cuda_graph``, default: on for a CUDA drafter with the fused ops). The
-    injection after a verify runs eagerly (its token count varies), without a sync.
-    On CPU nothing of this applies: the ops validate and run eagerly."""
-
-    def __init__(self, drafter: DFlashDrafter, target, capacity: int, fused: bool = True,
-                 draft_window: Optional[int] = None, cuda_graph: Optional[bool] = None):
-        drafter.check_fits(target.config)
-        self.drafter, self.fused = drafter, fused
-        self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
-        self.layer_ids = drafter.config.target_layer_ids
-        self.mask_token_id = drafter.config.mask_token_id
-        self.cache: DraftCache = drafter.new_cache(1, capacity, draft_window)
-        self.device = drafter.fc.weight.device
-        on_cuda = self.device.type == "cuda"
-        # Every position a block can reach (the cache holds <= capacity tokens, a block
-        # adds block_size): the tables are taken now and held here, so a step never grows
-        # them and a captured graph's tables stay alive whatever the drafter does later.
-        self.position_limit = capacity + drafter.config.block_size + 1
-        cos, sin = drafter.rope_tables(self.position_limit)
-        self.rope = (cos[:self.position_limit], sin[:self.position_limit])
-        self.validate = not on_cuda
-        if cuda_graph and not (on_cuda and fused):
-            raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")
-        self.cuda_graph = on_cuda and fused if cuda_graph is None else cuda_graph
-        self._graphs = {}  # (mask tokens in the block, tokens kept) -> _CapturedDraftStep
-        self.vocab = self.vocab_head = self.vocab_bias = None
-        if drafter.draft_vocab is not None:  # cached on the drafter: gathered once, not per generation
-            self.vocab, self.vocab_head, self.vocab_bias = drafter.draft_vocab_head(self.lm_head)
-
-    @torch.no_grad()
-    def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
-        """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
-        tokens in `rows` of the last target pass, at `positions`."""
-        feats = [hidden_states[l + 1][0, rows].to(self.drafter.fc.weight.dtype) for l in self.layer_ids]
-        self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused, rope=self.rope,
-                                 validate=self.validate)
-
-    @torch.no_grad()
-    def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
-        """n draft tokens following `last_token` at `position`. The drafter always runs
-        over at least the block it was trained on (the same cost, and the problem it
-        learned: fewer mask tokens change every slot's attention), and the LM head runs
-        on the first n slots only."""
-        width = max(n, self.drafter.config.block_size - 1)  # mask tokens in the block
-        if position + width >= self.position_limit:
-            raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
-                               f"{self.position_limit} positions this proposer was made for")
-        if self.cuda_graph:
-            step = self._graphs.get((width, n))
-            if step is None:
-                step = self._graphs[(width, n)] = _CapturedDraftStep(self, width, n)
-            return step(last_token, position)
-        ids = torch.full((1, width + 1), self.mask_token_id, dtype=torch.long, device=self.device)
-        ids[:, :1].fill_(last_token)
-        return self.draft_step(ids, torch.arange(position, position + width + 1, device=self.device)[None], n)
-
-    def draft_step(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
-        """The first n draft tokens for the block `ids` [1, width + 1] at `positions`:
-        everything a captured step replays (no host reads on CUDA)."""
-        embeds = self.embed(ids).to(self.drafter.fc.weight.dtype)
-        hidden = self.drafter.draft_hidden(self.cache, embeds, positions, fused=self.fused, rope=self.rope,
-                                           validate=self.validate)
-        if self.vocab is None:
-            head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
-        else:
-            head = self.vocab_head, self.vocab_bias
-        return draft_tokens(hidden.to(head[0].dtype), *head, vocab=self.vocab, n=n)[0]
-
-
-def capture_cuda_graph(fn: Callable[[], torch.Tensor]):
-    """(graph, output) of `fn` captured in a CUDA graph on the current device: two warm-up
-    calls on a side stream first (lazy initialisation, the kernels' one-time set-up and the
-    allocator's pools stay out of the capture), as torch.cuda.graphs advises. Replaying the
-    graph rewrites the output tensor in place."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = fn()
-    return graph, out
-
-
-class _CapturedDraftStep:
-    """DFlashProposer.draft_step for one block width and draft count, captured in a CUDA
-    graph: static input buffers (the block's token ids and positions), the cache and its device lengths read
-    in place, one replay per draft. The attention is planned for the cache capacity, so a
-    replay stays correct as the context grows. The graph holds the drafter's weights and
-    the proposer's tensors by address: a proposer lives for one generation, and the
-    drafter must not be moved or changed meanwhile (a new proposer captures anew)."""
-
-    @torch.no_grad()
-    def __init__(self, proposer: DFlashProposer, width: int, n: int):
-        dev = proposer.device
-        with torch.cuda.device(dev):
-            self._capture(proposer, width, n, dev)
-
-    def _capture(self, proposer: DFlashProposer, width: int, n: int, dev) -> None:
-        self.ids = torch.full((1, width + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(width + 1, device=dev)[None]
-        self.positions = self.offsets.clone()
-        self.graph, self.out = capture_cuda_graph(lambda: proposer.draft_step(self.ids, self.positions, n))
-
-    def __call__(self, last_token: int, position: int) -> torch.Tensor:
-        self.ids[:, :1].fill_(last_token)                     # device fills: no host round trip
-        torch.add(self.offsets, position, out=self.positions)
-        self.graph.replay()
-        return self.out.clone()  # the next replay overwrites self.out
-
-
 @dataclass
 class BlockSizeChoice:
     block_size: int
@@ -343,7 +132,7 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
 
         def verify(n):
             runner(ids[:, :n], cache, hidden_states=n > 1)
-            _crop(cache, ids.shape[1])
+            crop_cache(cache, ids.shape[1])
 
         expected, seconds, speed = {}, {}, {}
         for b in sizes:
@@ -353,63 +142,6 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
             speed[b] = expected[b] / seconds[b]
         best = max(sizes, key=lambda b: speed[b])
         return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
-
-
-def cache_kwarg(model) -> str:
-    """The name of the KV-cache argument of a Hugging Face model's forward: recent
-    transformers name it `cache`, older ones `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def returned_cache(out):
-    """The KV cache a Hugging Face forward returned (`cache` in recent transformers,
-    `past_key_values` in older ones)."""
-    cache = getattr(out, "cache", None)
-    return out.past_key_values if cache is None else cache
-
-
-class TargetRunner:
-    """One target's forward as the loop calls it. The signature is inspected once
-    (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
-    are asked for where transformers can select them (5.x takes a list of indices in
-    `output_hidden_states`; the tuple keeps its layout, with None elsewhere); otherwise, or
-    if the model returns None for one of them, all."""
-
-    def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
-        self.target = target
-        self.device = next(target.parameters()).device
-        self.cache_arg = cache_kwarg(target)
-        self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
-        self.needed = [l + 1 for l in layer_ids] if layer_ids else []
-        self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
-
-    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False):
-        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n];
-        `last_logits_only`: logits [1, 1, V] of the last position only (a prefill needs no
-        more; as in `generate`, which also rounds them the same way then)."""
-        want = self.select if hidden_states else False
-        before = cache.get_seq_length() if cache is not None else 0
-        keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
-        out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
-        hs = out.hidden_states
-        if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
-                                                      for i in self.needed):
-            self.select = True  # this model cannot select: ask for all from now on, and redo this pass
-            if cache is not None:
-                _crop(cache, before)
-            return self(ids, cache, hidden_states, last_logits_only)
-        return out.logits, hs, returned_cache(out)
-
-
-def _can_select_hidden_states() -> bool:
-    try:
-        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
@@ -454,7 +186,7 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
     while a < len(drafts) and drafts[a] == target_tokens[a]:
         a += 1
     new = target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
-    _crop(state.cache, state.pos + a + 1)
+    crop_cache(state.cache, state.pos + a + 1)
     clock("other")
     if verify_size > 1:  # verify_size 1 is block size 1: the target alone, nothing drafts later
         proposer.accept(hidden, slice(0, a + 1), torch.arange(state.pos, state.pos + a + 1, device=block.device))

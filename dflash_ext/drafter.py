@@ -1,18 +1,10 @@
 """The DFlash drafter: N Qwen3-style decoder layers whose non-causal attention sees the
 target's projected hidden states as a per-layer context KV cache.
 
-Checkpoints use the reference format (z-lab/dflash ``DFlashDraftModel``): a Qwen3
-``config.json`` plus ``block_size``, ``num_target_layers`` and ``dflash_config``
-(``target_layer_ids``, ``mask_token_id``), and safetensors weights named
-``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
-``layers.{i}.mlp.{gate,up,down}_proj.weight``,
-``layers.{i}.{input,post_attention}_layernorm.weight``, ``fc.weight``,
-``hidden_norm.weight``, ``norm.weight``. The embedding and LM head are the target's.
+Here: the layers, the context cache (:class:`DraftCache`), the draft step over the
+fused ops (inference) and the differentiable forward over many blocks (training). The
+config is :mod:`dflash_ext.config`; checkpoint files are :mod:`dflash_ext.checkpoint`.
 """
-import json
-import math
-import os
-from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
@@ -20,221 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops, reference
+from .checkpoint import read_checkpoint, torch_dtype, write_checkpoint
+from .config import DFlashConfig
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DraftCache", "default_target_layer_ids", "default_mask_token_id",
-           "effective_windows"]
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-# Optional, beside the reference files (the authors' loader ignores it): the held-out
-# accepted-prefix profile {"accept": [P(first j drafts accepted) for j = 1..B-1], "tau": ...}
-# that block_size="auto" reads.
-ACCEPTANCE_NAME = "acceptance.json"
-# Optional draft vocabulary (EAGLE-3's reduced draft vocabulary): with
-# dflash_config.draft_vocab_size = K in config.json, this file beside it holds
-# {"token_ids": [K sorted target token ids]} and drafts are the argmax over those rows of
-# the target's LM head only (K/V of its cost). Verification is unchanged, so output is too.
-DRAFT_VOCAB_NAME = "draft_vocab.json"
-
-
-def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
-    """k target layers spread evenly from layer 1 to layer L-3 (the reference's rule)."""
-    if k == 1:
-        return [num_target_layers // 2]
-    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
-
-
-# What each config.json key of the reference format does here. A key outside these lists
-# changes the drafted function in some implementation and is rejected at load.
-_QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
-               "rope_scaling", "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers",
-               "layer_types")
-_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config")
-# Metadata, training-only settings, and parts the drafter does not have (embedding, LM head).
-_INERT_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "initializer_range",
-               "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
-               "tie_word_embeddings", "auto_map", "_name_or_path"}
-# Honoured at these values only (the authors' code reads the DFlash ones from dflash_config or the top level).
-_FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
-                 "is_causal": (None, False), "input_embedding_scale": (None, 1, 1.0),
-                 "output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0)}
-_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-
-
-def _qwen3_config(**fields):
-    """transformers' Qwen3Config: it standardises rope (rope_parameters in 5.x, rope_scaling
-    / rope_theta in 4.x), layer_types and the sliding window exactly as the authors'
-    Qwen3-based DFlashDraftModel sees them, defaults included."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(**fields)
-
-
-@dataclass
-class DFlashConfig:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: List[int]
-    mask_token_id: int
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    # transformers' standardised rope dict (rope_type, rope_theta, scaling fields); None =
-    # Qwen3Config's default, so the default theta lives in one place: transformers.
-    rope_parameters: Optional[dict] = None
-    max_position_embeddings: int = 40960
-    sliding_window: Optional[int] = None  # window of the "sliding_attention" layers (None = none)
-    layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention
-    draft_vocab_size: Optional[int] = None  # tokens of the draft vocabulary (None: the whole vocabulary)
-
-    def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if not self.target_layer_ids:
-            raise ValueError("dflash_config.target_layer_ids must name at least one target layer")
-        bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
-        if bad:
-            raise ValueError(f"target_layer_ids {bad} are outside the target's "
-                             f"{self.num_target_layers} layers")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"dflash_config.draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
-                             f"got {self.draft_vocab_size}")
-        if self.layer_types is None:
-            self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
-                * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers or \
-                not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
-            raise ValueError(f"layer_types must name full_attention or sliding_attention for each of the "
-                             f"{self.num_hidden_layers} layers, got {self.layer_types}")
-        hf = self.hf_config()  # validates the rope parameters as transformers does
-        self.rope_parameters = dict(hf.rope_parameters)
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
-        if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported (the fused ops rotate the whole head)")
-
-    def hf_config(self):
-        return _qwen3_config(
-            hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters) if self.rope_parameters else None,
-            use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
-            layer_types=list(self.layer_types))
-
-    @property
-    def rope_theta(self) -> float:
-        return float(self.rope_parameters["rope_theta"])
-
-    @property
-    def layer_windows(self) -> List[int]:
-        """Per layer: how many of the last context rows it sees (0 = all of them)."""
-        return [self.sliding_window if t == "sliding_attention" and self.sliding_window else 0
-                for t in self.layer_types]
-
-    @property
-    def rope_position_limit(self) -> Optional[int]:
-        """dynamic and longrope recompute every frequency from the whole sequence length once
-        it passes this many positions; an incremental context cache cannot follow that."""
-        t = self.rope_parameters.get("rope_type", "default")
-        if t == "dynamic":
-            return self.max_position_embeddings
-        if t == "longrope":
-            return self.rope_parameters.get("original_max_position_embeddings", self.max_position_embeddings)
-        return None
-
-    def to_json_dict(self) -> dict:
-        """The reference format: a Qwen3 config plus the DFlash fields."""
-        rope = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
-        sliding = "sliding_attention" in self.layer_types and self.sliding_window is not None
-        d = {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
-                              "mask_token_id": self.mask_token_id,
-                              **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {})},
-            "sliding_window": self.sliding_window if sliding else None,
-            "use_sliding_window": sliding,
-        }
-        if rope.get("rope_type", "default") != "default":
-            d["rope_scaling"] = rope  # read by transformers 4.x and 5.x alike
-        if sliding:
-            d["layer_types"] = list(self.layer_types)
-        return d
-
-    @classmethod
-    def from_json_dict(cls, d: dict) -> "DFlashConfig":
-        def need(key):
-            if key not in d:
-                raise ValueError(f"drafter config.json lacks '{key}'")
-            return d[key]
-
-        dflash = need("dflash_config")
-        _reject_unsupported(d, dflash)
-        need("num_attention_heads"), need("hidden_size")
-        hf = _qwen3_config(**{k: d[k] for k in _QWEN3_KEYS if k in d})
-        return cls(
-            hidden_size=hf.hidden_size, num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-            head_dim=d.get("head_dim") or hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-            num_target_layers=need("num_target_layers"),
-            target_layer_ids=list(dflash.get("target_layer_ids") or []),
-            mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
-            draft_vocab_size=int(dflash["draft_vocab_size"]) if dflash.get("draft_vocab_size") is not None else None,
-            rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
-            max_position_embeddings=hf.max_position_embeddings,
-            sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
-            layer_types=list(hf.layer_types),
-        )
-
-
-def _reject_unsupported(d: dict, dflash: dict) -> None:
-    """A config field that changes the drafted function and is not implemented here is an
-    error at load, never silently ignored."""
-    problems = []
-    known = set(_QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES)
-    unknown = sorted(k for k in d if k not in known)
-    if unknown:
-        problems.append(f"unsupported fields {unknown}")
-    unknown_inner = sorted(k for k in dflash if k not in _DFLASH_INNER_KEYS | set(_FIXED_VALUES))
-    if unknown_inner:
-        problems.append(f"unsupported dflash_config fields {unknown_inner}")
-    for key, allowed in _FIXED_VALUES.items():
-        for where, src in (("", d), ("dflash_config.", dflash)):
-            if key in src and src[key] not in allowed:
-                problems.append(f"{where}{key}={src[key]!r} (supported: {[a for a in allowed if a is not None]})")
-    if problems:
-        raise ValueError("drafter config.json: " + "; ".join(problems)
-                         + " (README, 'Checkpoints': what is supported)")
+__all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "effective_windows", "context_mask"]
 
 
 class RMSNorm(nn.Module):
@@ -364,7 +145,7 @@ class DFlashDrafter(nn.Module):
         self._rope = None
         self._vocab_head = None
         self.acceptance_profile: Optional[List[float]] = None
-        self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU); see DRAFT_VOCAB_NAME
+        self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU): checkpoint.DRAFT_VOCAB_NAME
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -372,27 +153,9 @@ class DFlashDrafter(nn.Module):
                     mask_token_id: Optional[int] = None, target_layer_ids: Optional[Sequence[int]] = None,
                     seed: Optional[int] = 0, tokenizer=None, **overrides) -> "DFlashDrafter":
         """A fresh, randomly initialised drafter that fits a Hugging Face target config
-        (`tokenizer`, when given, picks the mask token: :func:`default_mask_token_id`)."""
-        L = target_config.num_hidden_layers
-        heads = target_config.num_attention_heads
-        config = DFlashConfig(
-            hidden_size=target_config.hidden_size, num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-            intermediate_size=target_config.intermediate_size, vocab_size=target_config.vocab_size,
-            num_target_layers=L,
-            target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
-            else default_target_layer_ids(L, num_layers),
-            mask_token_id=default_mask_token_id(target_config.vocab_size, tokenizer) if mask_token_id is None
-            else mask_token_id,
-            block_size=block_size, rms_norm_eps=target_config.rms_norm_eps,
-            rope_parameters=_target_rope(target_config),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
-        )
-        for k, v in overrides.items():
-            setattr(config, k, v)
-        config.__post_init__()
+        (:meth:`DFlashConfig.for_target`; `tokenizer`, when given, picks the mask token)."""
+        config = DFlashConfig.for_target(target_config, num_layers, block_size, mask_token_id, target_layer_ids,
+                                         tokenizer, **overrides)
         if seed is not None:
             torch.manual_seed(seed)
         drafter = cls(config)
@@ -403,53 +166,15 @@ class DFlashDrafter(nn.Module):
     def from_pretrained(cls, path: str, device=None, dtype=None, cache_dir: Optional[str] = None,
                         local_files_only: Optional[bool] = None, revision: Optional[str] = None) -> "DFlashDrafter":
         """Load a reference-format checkpoint from a local folder or a Hugging Face repo id
-        (resolved through the local hub cache; a download is tried only when neither
-        `local_files_only` nor HF_HUB_OFFLINE forbids it). `dtype` is a torch dtype, its
+        (:func:`~dflash_ext.checkpoint.read_checkpoint`). `dtype` is a torch dtype, its
         name, or "auto"/None (the checkpoint's dtype); `device` as in ``.to()``."""
-        from safetensors.torch import load_file
-
-        path = _resolve_checkpoint(path, cache_dir, local_files_only, revision)
-        cfg_path = os.path.join(path, CONFIG_NAME)
-        if not os.path.exists(cfg_path):
-            raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_NAME}")
-        with open(cfg_path) as f:
-            config = DFlashConfig.from_json_dict(json.load(f))
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"drafter checkpoint {path} has no .safetensors weights")
-        state = {}
-        for name in files:
-            state.update(load_file(os.path.join(path, name)))
-        drafter = cls(config)
-        drafter.load_reference_state_dict(state)
-        acc_path = os.path.join(path, ACCEPTANCE_NAME)
-        if os.path.exists(acc_path):
-            with open(acc_path) as f:
-                profile = json.load(f)["accept"]
-            if len(profile) != config.block_size - 1 or not all(0 <= p <= 1 for p in profile):
-                raise ValueError(f"{acc_path}: 'accept' must hold block_size - 1 = {config.block_size - 1} "
-                                 f"probabilities, got {profile}")
-            drafter.acceptance_profile = [float(p) for p in profile]
-        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
-        if config.draft_vocab_size is not None:
-            if not os.path.exists(vocab_path):
-                raise FileNotFoundError(f"{cfg_path} sets dflash_config.draft_vocab_size but {vocab_path} is missing")
-            with open(vocab_path) as f:
-                ids = json.load(f)["token_ids"]
-            if len(ids) != config.draft_vocab_size:
-                raise ValueError(f"{vocab_path} holds {len(ids)} token ids, dflash_config.draft_vocab_size "
-                                 f"says {config.draft_vocab_size}")
-            drafter.set_draft_vocab(ids)
-        elif os.path.exists(vocab_path):
-            raise ValueError(f"{vocab_path} exists but {cfg_path} has no dflash_config.draft_vocab_size")
-        if isinstance(dtype, str) and dtype != "auto":
-            named = getattr(torch, dtype.replace("torch.", ""), None)
-            if not isinstance(named, torch.dtype):
-                raise ValueError(f"dtype {dtype!r} is not a torch dtype")
-            dtype = named
-        dtype = None if dtype == "auto" else dtype
-        # Default: the dtype the checkpoint was written in.
-        return drafter.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+        ckpt = read_checkpoint(path, cache_dir, local_files_only, revision)
+        drafter = cls(ckpt.config)
+        drafter.load_reference_state_dict(ckpt.state)
+        drafter.acceptance_profile = ckpt.acceptance_profile
+        if ckpt.draft_vocab is not None:
+            drafter.set_draft_vocab(ckpt.draft_vocab)
+        return drafter.to(device=device, dtype=torch_dtype(dtype) or ckpt.dtype)
 
     def load_reference_state_dict(self, state: dict) -> None:
         """Load weights named as in the reference checkpoint; any mismatch is an error."""
@@ -468,24 +193,9 @@ class DFlashDrafter(nn.Module):
 
     def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
         """Write the reference format; `dtype` (e.g. torch.bfloat16) converts the weights."""
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        config = self.config.to_json_dict()
-        config["torch_dtype"] = str(dtype or self.fc.weight.dtype).replace("torch.", "")
-        with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2)
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
-        if self.acceptance_profile is not None:
-            with open(os.path.join(path, ACCEPTANCE_NAME), "w") as f:
-                json.dump({"accept": self.acceptance_profile}, f)
-        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
-        if self.draft_vocab is not None:
-            with open(vocab_path, "w") as f:
-                json.dump({"token_ids": self.draft_vocab.tolist()}, f)
-        elif os.path.exists(vocab_path):
-            os.remove(vocab_path)  # a stale vocabulary of an earlier save
+        write_checkpoint(path, self.config, state, self.acceptance_profile,
+                         None if self.draft_vocab is None else self.draft_vocab.tolist())
 
     def set_draft_vocab(self, token_ids) -> None:
         """Draft only these target tokens (sorted, unique, in range), or all of them (None)."""
@@ -655,8 +365,6 @@ class DFlashDrafter(nn.Module):
         copying the context keys per block, so the cost grows linearly with the number of
         anchors. Returns final-normed hidden [nb, B, H].
         """
-        from .training.recipe import context_mask
-
         c = self.config
         S = features.shape[0]
         nb, B, H = block_embeds.shape
@@ -690,58 +398,15 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def _resolve_checkpoint(path: str, cache_dir, local_files_only, revision) -> str:
-    """A local folder as it is; anything else is a Hugging Face repo id looked up in the
-    local hub cache (huggingface_hub), fetched only where that is allowed."""
-    if os.path.isdir(path):
-        return path
-    if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an "org/name" repo id
-        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    offline = constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
-    patterns = [CONFIG_NAME, "*.safetensors", ACCEPTANCE_NAME]
-    try:
-        return snapshot_download(path, cache_dir=cache_dir, revision=revision, local_files_only=True,
-                                 allow_patterns=patterns)
-    except HFValidationError:
-        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}") from None
-    except Exception as cached_error:  # not in the cache
-        if offline:
-            raise FileNotFoundError(
-                f"drafter checkpoint {path!r} is neither a local folder nor in the local Hugging Face cache "
-                f"({cache_dir or constants.HF_HUB_CACHE}); offline (HF_HUB_OFFLINE / local_files_only), so it "
-                f"is not downloaded") from cached_error
-    try:
-        return snapshot_download(path, cache_dir=cache_dir, revision=revision, allow_patterns=patterns)
-    except Exception as e:
-        raise FileNotFoundError(f"drafter checkpoint {path!r} is neither a local folder nor in the local Hugging "
-                                f"Face cache, and fetching it failed: {type(e).__name__}: {e}") from e
-
-
-def _target_rope(config) -> Optional[dict]:
-    """The target's rope as a rope_parameters dict (transformers 5.x keeps it standardised;
-    4.x configs have rope_scaling + rope_theta)."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
-    if getattr(config, "rope_theta", None) is not None:
-        params["rope_theta"] = config.rope_theta
-    return params
-
-
-def default_mask_token_id(vocab_size: int, tokenizer=None) -> int:
-    """The mask token of a fresh drafter: the tokenizer's own mask token where it has one;
-    else the first embedding row no token of the tokenizer uses (vocabularies padded past
-    the tokenizer); else the last vocab id (then a real token: nothing better exists)."""
-    if tokenizer is not None:
-        if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
-            return int(tokenizer.mask_token_id)
-        if len(tokenizer) < vocab_size:
-            return len(tokenizer)
-    return vocab_size - 1
+def context_mask(anchors: torch.Tensor, seq_len: int, window: int = 0) -> torch.Tensor:
+    """Boolean mask [nb, seq_len] (True = attend) of the context rows each block sees:
+    block a sees the rows at positions < anchors[a] (only the last `window` of them when
+    window > 0, as a sliding layer does at inference). Its own B rows it always sees."""
+    pos = torch.arange(seq_len, device=anchors.device)[None, :]
+    ctx = pos < anchors[:, None]
+    if window > 0:
+        ctx &= pos >= anchors[:, None] - window
+    return ctx
 
 
 def _init_weights(module: nn.Module) -> None:

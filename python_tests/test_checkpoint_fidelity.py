@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_ext.drafter import DFlashConfig, DFlashDrafter
+from dflash_ext.config import DFlashConfig
+from dflash_ext.drafter import DFlashDrafter
 
 H, HQ, HKV, D, N_LAYERS, K_FEATS = 64, 4, 2, 16, 2, 2
 

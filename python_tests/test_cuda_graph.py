@@ -5,7 +5,7 @@ skips without a GPU; the CPU cases check what the proposer does there (nothing n
 import pytest
 import torch
 
-from dflash_ext.decoding import DFlashProposer
+from dflash_ext.proposer import DFlashProposer
 from dflash_ext.drafter import DFlashDrafter
 
 from decoding_helpers import tiny_target, tiny_target_config

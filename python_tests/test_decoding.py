@@ -221,7 +221,7 @@ def test_a_hugging_face_streamer_sees_the_prompt_then_every_token(target):
 
 
 def test_the_target_pass_asks_only_for_the_drafter_layers(target, monkeypatch):
-    from dflash_ext.decoding import TargetRunner
+    from dflash_ext.target import TargetRunner
 
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     asked = []
@@ -242,7 +242,7 @@ def test_the_target_pass_asks_only_for_the_drafter_layers(target, monkeypatch):
 
 
 def test_a_prefill_computes_the_last_logits_only(target):
-    from dflash_ext.decoding import TargetRunner
+    from dflash_ext.target import TargetRunner
 
     runner = TargetRunner(target, [1, 3])
     ids = torch.tensor([PROMPTS[1]])
@@ -255,7 +255,8 @@ def test_a_prefill_computes_the_last_logits_only(target):
 
 
 def test_fewer_drafts_are_the_first_of_the_full_block(target):
-    from dflash_ext.decoding import DFlashProposer, TargetRunner
+    from dflash_ext.proposer import DFlashProposer
+    from dflash_ext.target import TargetRunner
 
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=8, seed=1)
     with torch.no_grad():
@@ -273,17 +274,17 @@ def test_fewer_drafts_are_the_first_of_the_full_block(target):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lm_head_padding_is_measured_and_changes_no_token(dtype, monkeypatch):
-    from dflash_ext import decoding
+    from dflash_ext import proposer
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 64, generator=g).to(dtype)
     hidden = torch.randn(1, 8, 64, generator=g).to(dtype)
     for n in (3, 7):
-        assert decoding._lm_head_padding(n, weight, None) in (0, 16 - n)
+        assert proposer._lm_head_padding(n, weight, None) in (0, 16 - n)
         picks = []
         for pad in (0, 16 - n):
-            monkeypatch.setitem(decoding._PADDING, (n, (1000, 64), dtype, False), pad)
-            picks.append(decoding.draft_tokens(hidden, weight, n=n))
+            monkeypatch.setitem(proposer._PADDING, (n, (1000, 64), dtype, False), pad)
+            picks.append(proposer.draft_tokens(hidden, weight, n=n))
         assert torch.equal(picks[0], picks[1]) and picks[0].shape == (1, n)
         want = F.linear(hidden[0, 1:n + 1].float(), weight.float()).argmax(-1)
         assert (picks[0][0] == want).float().mean() >= 0.8  # bf16 rounding may flip a near tie

@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-from dflash_ext.decoding import DFlashProposer, spec_generate, target_generate
-from dflash_ext.drafter import DRAFT_VOCAB_NAME, DFlashDrafter
+from dflash_ext.checkpoint import DRAFT_VOCAB_NAME
+from dflash_ext.decoding import spec_generate, target_generate
+from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.proposer import DFlashProposer
 from decoding_helpers import tiny_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]

@@ -5,7 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_ext.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from dflash_ext.config import DFlashConfig, default_target_layer_ids
+from dflash_ext.drafter import DFlashDrafter
 from decoding_helpers import tiny_target_config
 
 
@@ -175,7 +176,7 @@ def test_from_pretrained_resolves_a_repo_id_through_the_local_hub_cache(tmp_path
 def test_default_mask_token_rule():
     from types import SimpleNamespace
 
-    from dflash_ext.drafter import default_mask_token_id
+    from dflash_ext.config import default_mask_token_id
 
     class Tok(SimpleNamespace):
         def __len__(self):

@@ -4,7 +4,8 @@ and bad use is a clear error."""
 import pytest
 import torch
 
-from dflash_ext.decoding import DFlashProposer, spec_generate, target_generate
+from dflash_ext.decoding import spec_generate, target_generate
+from dflash_ext.proposer import DFlashProposer
 from dflash_ext.drafter import DFlashDrafter
 from decoding_helpers import tiny_target
 

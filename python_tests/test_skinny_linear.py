@@ -6,7 +6,7 @@ from torch import nn
 
 import dflash_ext
 from dflash_ext import reference
-from dflash_ext.decoding import linear_rows, streamed_linears
+from dflash_ext.target import linear_rows, streamed_linears
 from dflash_ext.hardware import skinny_linear_streams
 
 from helpers import DEVICES, DTYPES, check_op, make_gen, randn

@@ -17,9 +17,11 @@ import json
 import os
 import sys
 import time
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
+
+from ..target import cache_kwarg, returned_cache
 
 __all__ = ["generate_responses", "greedy_batch", "target_features", "compute_features", "load_records",
            "split_holdout", "drop_trained_prompts", "FeatureStore"]
@@ -64,8 +66,6 @@ def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     ``generate(do_sample=False)`` makes, except that a row leaves the batch once it has
     emitted EOS: ``generate`` computes finished rows until the longest one is done, and
     responses end at very different lengths (the mean of the shipped data is 204 of 256)."""
-    from ..decoding import cache_kwarg, returned_cache
-
     cache_arg = cache_kwarg(target)
     rows = list(range(input_ids.shape[0]))
     out: List[List[int]] = [[] for _ in rows]

@@ -7,12 +7,11 @@ the block's own B rows. Block a (anchor p_a) sees context rows at positions < p_
 its own B rows (bidirectional), never another block: exactly what the block at position
 p_a sees at inference.
 """
-import math
 from typing import Optional
 
 import torch
 
-__all__ = ["IGNORE", "default_gamma", "sample_anchors", "context_mask", "block_labels", "loss_weights"]
+__all__ = ["IGNORE", "default_gamma", "sample_anchors", "block_labels", "loss_weights"]
 
 IGNORE = -100  # label of a slot past the end of the sequence (cross_entropy's ignore_index)
 
@@ -34,17 +33,6 @@ def sample_anchors(response_start: int, seq_len: int, block_size: int, n: int,
     count = hi - lo + 1
     pick = torch.randperm(count, generator=generator)[:n]
     return (pick + lo).sort().values
-
-
-def context_mask(anchors: torch.Tensor, seq_len: int, window: int = 0) -> torch.Tensor:
-    """Boolean mask [nb, seq_len] (True = attend) of the context rows each block sees:
-    block a sees the rows at positions < anchors[a] (only the last `window` of them when
-    window > 0, as a sliding layer does at inference). Its own B rows it always sees."""
-    pos = torch.arange(seq_len, device=anchors.device)[None, :]
-    ctx = pos < anchors[:, None]
-    if window > 0:
-        ctx &= pos >= anchors[:, None] - window
-    return ctx
 
 
 def block_labels(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..drafter import DFlashDrafter, default_target_layer_ids
+from ..config import default_target_layer_ids
+from ..drafter import DFlashDrafter
 from ..hardware import fastest_dtype
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors

@@ -1,0 +1,264 @@
+"""The drafter's config: :class:`DFlashConfig`, what each ``config.json`` field of the
+reference format (z-lab/dflash ``DFlashDraftModel``: a Qwen3 config plus ``block_size``,
+``num_target_layers`` and ``dflash_config``) means here, and which fields are rejected
+because they change the drafted function in some implementation and are not implemented.
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+__all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "SUPPORTED_ROPE_TYPES"]
+
+
+def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
+    """k target layers spread evenly from layer 1 to layer L-3 (the reference's rule)."""
+    if k == 1:
+        return [num_target_layers // 2]
+    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
+
+
+# What each config.json key of the reference format does here. A key outside these lists
+# changes the drafted function in some implementation and is rejected at load.
+_QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
+               "rope_scaling", "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers",
+               "layer_types")
+_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config")
+# Metadata, training-only settings, and parts the drafter does not have (embedding, LM head).
+_INERT_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "initializer_range",
+               "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
+               "tie_word_embeddings", "auto_map", "_name_or_path"}
+# Honoured at these values only (the authors' code reads the DFlash ones from dflash_config or the top level).
+_FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+                 "is_causal": (None, False), "input_embedding_scale": (None, 1, 1.0),
+                 "output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0)}
+_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+def _qwen3_config(**fields):
+    """transformers' Qwen3Config: it standardises rope (rope_parameters in 5.x, rope_scaling
+    / rope_theta in 4.x), layer_types and the sliding window exactly as the authors'
+    Qwen3-based DFlashDraftModel sees them, defaults included."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**fields)
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: List[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    # transformers' standardised rope dict (rope_type, rope_theta, scaling fields); None =
+    # Qwen3Config's default, so the default theta lives in one place: transformers.
+    rope_parameters: Optional[dict] = None
+    max_position_embeddings: int = 40960
+    sliding_window: Optional[int] = None  # window of the "sliding_attention" layers (None = none)
+    layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention
+    draft_vocab_size: Optional[int] = None  # tokens of the draft vocabulary (None: the whole vocabulary)
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not self.target_layer_ids:
+            raise ValueError("dflash_config.target_layer_ids must name at least one target layer")
+        bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} are outside the target's "
+                             f"{self.num_target_layers} layers")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"dflash_config.draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.draft_vocab_size}")
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
+                * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers or \
+                not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"layer_types must name full_attention or sliding_attention for each of the "
+                             f"{self.num_hidden_layers} layers, got {self.layer_types}")
+        hf = self.hf_config()  # validates the rope parameters as transformers does
+        self.rope_parameters = dict(hf.rope_parameters)
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported (the fused ops rotate the whole head)")
+
+    def hf_config(self):
+        return _qwen3_config(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters) if self.rope_parameters else None,
+            use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
+            layer_types=list(self.layer_types))
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    @property
+    def layer_windows(self) -> List[int]:
+        """Per layer: how many of the last context rows it sees (0 = all of them)."""
+        return [self.sliding_window if t == "sliding_attention" and self.sliding_window else 0
+                for t in self.layer_types]
+
+    @property
+    def rope_position_limit(self) -> Optional[int]:
+        """dynamic and longrope recompute every frequency from the whole sequence length once
+        it passes this many positions; an incremental context cache cannot follow that."""
+        t = self.rope_parameters.get("rope_type", "default")
+        if t == "dynamic":
+            return self.max_position_embeddings
+        if t == "longrope":
+            return self.rope_parameters.get("original_max_position_embeddings", self.max_position_embeddings)
+        return None
+
+    def to_json_dict(self) -> dict:
+        """The reference format: a Qwen3 config plus the DFlash fields."""
+        rope = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+        sliding = "sliding_attention" in self.layer_types and self.sliding_window is not None
+        d = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
+                              "mask_token_id": self.mask_token_id,
+                              **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {})},
+            "sliding_window": self.sliding_window if sliding else None,
+            "use_sliding_window": sliding,
+        }
+        if rope.get("rope_type", "default") != "default":
+            d["rope_scaling"] = rope  # read by transformers 4.x and 5.x alike
+        if sliding:
+            d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "DFlashConfig":
+        def need(key):
+            if key not in d:
+                raise ValueError(f"drafter config.json lacks '{key}'")
+            return d[key]
+
+        dflash = need("dflash_config")
+        _reject_unsupported(d, dflash)
+        need("num_attention_heads"), need("hidden_size")
+        hf = _qwen3_config(**{k: d[k] for k in _QWEN3_KEYS if k in d})
+        return cls(
+            hidden_size=hf.hidden_size, num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+            head_dim=d.get("head_dim") or hf.hidden_size // hf.num_attention_heads,
+            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
+            num_target_layers=need("num_target_layers"),
+            target_layer_ids=list(dflash.get("target_layer_ids") or []),
+            mask_token_id=int(dflash["mask_token_id"]),
+            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+            draft_vocab_size=int(dflash["draft_vocab_size"]) if dflash.get("draft_vocab_size") is not None else None,
+            rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
+            max_position_embeddings=hf.max_position_embeddings,
+            sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
+            layer_types=list(hf.layer_types),
+        )
+
+
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
+                   mask_token_id: Optional[int] = None, target_layer_ids: Optional[Sequence[int]] = None,
+                   tokenizer=None, **overrides) -> "DFlashConfig":
+        """The config of a fresh drafter that fits a Hugging Face target config
+        (`tokenizer`, when given, picks the mask token: :func:`default_mask_token_id`);
+        `overrides` set any other field."""
+        L = target_config.num_hidden_layers
+        heads = target_config.num_attention_heads
+        config = cls(
+            hidden_size=target_config.hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            intermediate_size=target_config.intermediate_size, vocab_size=target_config.vocab_size,
+            num_target_layers=L,
+            target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
+            else default_target_layer_ids(L, num_layers),
+            mask_token_id=default_mask_token_id(target_config.vocab_size, tokenizer) if mask_token_id is None
+            else mask_token_id,
+            block_size=block_size, rms_norm_eps=target_config.rms_norm_eps,
+            rope_parameters=_target_rope(target_config),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
+        )
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        config.__post_init__()
+        return config
+
+
+def _reject_unsupported(d: dict, dflash: dict) -> None:
+    """A config field that changes the drafted function and is not implemented here is an
+    error at load, never silently ignored."""
+    problems = []
+    known = set(_QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES)
+    unknown = sorted(k for k in d if k not in known)
+    if unknown:
+        problems.append(f"unsupported fields {unknown}")
+    unknown_inner = sorted(k for k in dflash if k not in _DFLASH_INNER_KEYS | set(_FIXED_VALUES))
+    if unknown_inner:
+        problems.append(f"unsupported dflash_config fields {unknown_inner}")
+    for key, allowed in _FIXED_VALUES.items():
+        for where, src in (("", d), ("dflash_config.", dflash)):
+            if key in src and src[key] not in allowed:
+                problems.append(f"{where}{key}={src[key]!r} (supported: {[a for a in allowed if a is not None]})")
+    if problems:
+        raise ValueError("drafter config.json: " + "; ".join(problems)
+                         + " (README, 'Checkpoints': what is supported)")
+
+
+def _target_rope(config) -> Optional[dict]:
+    """The target's rope as a rope_parameters dict (transformers 5.x keeps it standardised;
+    4.x configs have rope_scaling + rope_theta)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
+    if getattr(config, "rope_theta", None) is not None:
+        params["rope_theta"] = config.rope_theta
+    return params
+
+
+def default_mask_token_id(vocab_size: int, tokenizer=None) -> int:
+    """The mask token of a fresh drafter: the tokenizer's own mask token where it has one;
+    else the first embedding row no token of the tokenizer uses (vocabularies padded past
+    the tokenizer); else the last vocab id (then a real token: nothing better exists)."""
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
+            return int(tokenizer.mask_token_id)
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+    return vocab_size - 1
+

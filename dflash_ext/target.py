@@ -1,0 +1,114 @@
+"""The target side of the loop: a Hugging Face causal LM as DFlash calls it.
+
+- :class:`TargetRunner`: one forward as the loop calls it (the cache argument's name,
+  last-position logits for a prefill, only the hidden states the drafter reads);
+- :func:`crop_cache`: roll the target's KV cache back after a rejection;
+- :func:`streamed_linears` / :func:`linear_rows`: the target's (and the drafter's) linear
+  layers on few rows through ``ops.skinny_linear`` (the verify pass, the draft block).
+"""
+import contextlib
+import functools
+import inspect
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .hardware import skinny_linear_streams
+
+__all__ = ["TargetRunner", "crop_cache", "cache_kwarg", "returned_cache", "linear_rows", "streamed_linears"]
+
+
+def cache_kwarg(model) -> str:
+    """The name of the KV-cache argument of a Hugging Face model's forward: recent
+    transformers name it `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    """The KV cache a Hugging Face forward returned (`cache` in recent transformers,
+    `past_key_values` in older ones)."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
+class TargetRunner:
+    """One target's forward as the loop calls it. The signature is inspected once
+    (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
+    are asked for where transformers can select them (5.x takes a list of indices in
+    `output_hidden_states`; the tuple keeps its layout, with None elsewhere); otherwise, or
+    if the model returns None for one of them, all."""
+
+    def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.cache_arg = cache_kwarg(target)
+        self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
+        self.needed = [l + 1 for l in layer_ids] if layer_ids else []
+        self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
+
+    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False):
+        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n];
+        `last_logits_only`: logits [1, 1, V] of the last position only (a prefill needs no
+        more; as in `generate`, which also rounds them the same way then)."""
+        want = self.select if hidden_states else False
+        before = cache.get_seq_length() if cache is not None else 0
+        keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
+        out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
+        hs = out.hidden_states
+        if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
+                                                      for i in self.needed):
+            self.select = True  # this model cannot select: ask for all from now on, and redo this pass
+            if cache is not None:
+                crop_cache(cache, before)
+            return self(ids, cache, hidden_states, last_logits_only)
+        return out.logits, hs, returned_cache(out)
+
+
+def _can_select_hidden_states() -> bool:
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Roll a Hugging Face cache back to its first `keep` tokens (transformers 5.x takes
+    the negative number of tokens to drop)."""
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)
+
+
+def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, through ops.skinny_linear where its streaming kernel runs (one pass over
+    the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
+    2..8 rows, and its GEMV runs below the memory bandwidth on some: bench/RESULTS.md §6);
+    many rows (a prefill) stay on F.linear."""
+    if skinny_linear_streams(x, layer.weight):
+        return ops.skinny_linear(x, layer.weight, layer.bias)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+@contextlib.contextmanager
+def streamed_linears(*models: nn.Module, enabled: bool = True):
+    """Within: every `nn.Linear` of `models` runs as :func:`linear_rows` (the verify pass
+    over B tokens, the drafter's block, one-token passes). Layers that already carry their
+    own forward (another patch, a hook library) are left alone; all are restored on exit."""
+    patched = []
+    try:
+        for model in models if enabled else ():
+            for m in model.modules():
+                if type(m) is nn.Linear and "forward" not in m.__dict__:
+                    m.forward = functools.partial(linear_rows, m)
+                    patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
