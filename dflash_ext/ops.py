@@ -1,4 +1,4 @@
-"""The public op API of dflash_ext (see README for the full contract).
+"""The public op API of dflash_ext (its full contract: docs/ops.md).
 
 Each function calls the compiled op ``torch.ops.dflash_ext.<name>``; the fake (meta)
 kernels registered here give output shapes to ``torch.compile`` and FakeTensor

@@ -89,8 +89,8 @@ def crop_cache(cache, keep: int) -> None:
 def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, through ops.skinny_linear where its streaming kernel runs (one pass over
     the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
-    2..8 rows, and its GEMV runs below the memory bandwidth on some: bench/RESULTS.md §6);
-    many rows (a prefill) stay on F.linear."""
+    2..8 rows, and its GEMV runs below the memory bandwidth on some:
+    bench/results/history/notebook-2026.md §6); many rows (a prefill) stay on F.linear."""
     if skinny_linear_streams(x, layer.weight):
         return ops.skinny_linear(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
