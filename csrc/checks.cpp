@@ -1,6 +1,4 @@
-// Op schemas (TORCH_LIBRARY) and the input checks shared by every device.
-#include <Python.h>
-#include <torch/library.h>
+// The input checks shared by every device implementation of the ops (dflash/checks.h).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -9,7 +7,6 @@
 #include <vector>
 
 #include "dflash/checks.h"
-#include "dflash/cuda/plans.h"
 #include "dflash/window.h"
 
 namespace dflash {
@@ -196,88 +193,3 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
 }
 
 }  // namespace dflash
-
-TORCH_LIBRARY(dflash_ext, m) {
-  m.def("project_features(Tensor[] features, Tensor fc_weight, Tensor norm_weight, float eps) -> Tensor");
-  m.def(
-      "inject_context_kv(Tensor ctx, Tensor k_weight, Tensor v_weight, Tensor k_norm_weight, "
-      "Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor(a!) k_cache, "
-      "Tensor(b!) v_cache, float eps, bool validate=True) -> ()");
-  m.def(
-      "block_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, Tensor v_cache, "
-      "Tensor cache_offsets, Tensor cache_lens, float scale, int window=0, int max_context=-1, "
-      "bool validate=True) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-}
-
-// skinny_linear on devices without a kernel of ours (CUDA: cuBLAS handles few rows itself):
-// the checks, then at::linear. The CPU kernel (cpu/skinny_linear.cpp) takes precedence.
-static at::Tensor skinny_linear_library(const at::Tensor& x, const at::Tensor& weight,
-                                        const c10::optional<at::Tensor>& bias) {
-  dflash::check_skinny_linear(x, weight, bias);
-  return at::linear(x, weight, bias);
-}
-
-TORCH_LIBRARY_IMPL(dflash_ext, CompositeExplicitAutograd, m) { m.impl("skinny_linear", &skinny_linear_library); }
-
-// Importing dflash_ext._C loads this library and so runs the registrations above;
-// the module itself holds only a test hook of the CPU GEMM backend.
-namespace dflash::cpu {
-bool set_blas_fallback(bool enable);
-}
-
-static PyObject* py_set_blas_fallback(PyObject*, PyObject* arg) {
-  const int enable = PyObject_IsTrue(arg);
-  if (enable < 0) return nullptr;
-  return PyBool_FromLong(dflash::cpu::set_blas_fallback(enable != 0));
-}
-
-namespace dflash::cpu {
-// Python-facing views of the run-time dispatch (isa.h), kept here beside the other hook.
-PyObject* py_cpu_isa(PyObject*, PyObject*);
-PyObject* py_set_cpu_isa(PyObject*, PyObject* arg);
-PyObject* py_cpu_gemm_path(PyObject*, PyObject* args);
-PyObject* py_cpu_skinny_linear_path(PyObject*, PyObject* args);
-PyObject* py_cpu_attention_path(PyObject*, PyObject* args);
-}  // namespace dflash::cpu
-
-// The CUDA launch-plan rules (pure host code, dflash/cuda/plans.h) for the host tests.
-static PyObject* plan_tuple(dflash::cuda::SplitPlan plan) { return Py_BuildValue("(ii)", plan.splits, plan.units_per_split); }
-
-static PyObject* py_cuda_plan(PyObject*, PyObject* args) {
-  const char* rule = nullptr;
-  long long a = 0, b = 0, c = 0, d = 0, e = 0;
-  if (!PyArg_ParseTuple(args, "sL|LLLL", &rule, &a, &b, &c, &d, &e)) return nullptr;
-  namespace dc = dflash::cuda;
-  const std::string name(rule);
-  if (name == "split") return plan_tuple(dc::split_plan(a, b, c, d, e));
-  if (name == "attention") return plan_tuple(dc::attention_split_plan(a, b, static_cast<int>(c), d));
-  if (name == "gemm") return plan_tuple(dc::gemm_split_plan(a, b, c));
-  if (name == "planned_context") return PyLong_FromLongLong(dc::planned_context(a, b, c));
-  if (name == "kernel_arch") return PyLong_FromLong(static_cast<long>(dc::kernel_arch_for(static_cast<int>(a), static_cast<int>(b))));
-  PyErr_Format(PyExc_ValueError, "unknown plan rule %s", rule);
-  return nullptr;
-}
-
-static PyMethodDef module_methods[] = {
-    {"_cuda_plan", py_cuda_plan, METH_VARARGS,
-     "(rule, ints...) -> a CUDA launch-plan rule evaluated on the host: split(ctas, units, min_units, max_splits, "
-     "wave), attention(ctas, max_keys, key_tile, wave), gemm(ctas, k_tiles, wave) -> (splits, units per split); "
-     "planned_context(max_context, window, S); kernel_arch(major, minor) -> 0, 80, 90 or 100."},
-    {"_set_blas_fallback", py_set_blas_fallback, METH_O,
-     "Route the CPU kernels' fp32 GEMMs through at::mm instead of BLAS (tests); returns the old setting."},
-    {"_cpu_isa", dflash::cpu::py_cpu_isa, METH_NOARGS,
-     "(detected, active): the CPU ISA levels of the run-time dispatch."},
-    {"_set_cpu_isa", dflash::cpu::py_set_cpu_isa, METH_O,
-     "Force the CPU ISA level ('auto' = detected); returns the previous level."},
-    {"_cpu_gemm_path", dflash::cpu::py_cpu_gemm_path, METH_VARARGS,
-     "(dtype name, rows, weight bytes) -> the GEMM path project_features / inject_context_kv take now."},
-    {"_cpu_skinny_linear_path", dflash::cpu::py_cpu_skinny_linear_path, METH_VARARGS,
-     "(dtype name, rows, weight bytes) -> 'stream' or 'library': what skinny_linear runs now."},
-    {"_cpu_attention_path", dflash::cpu::py_cpu_attention_path, METH_VARARGS,
-     "(dtype name, keys, query rows per KV head) -> the path block_attention takes now."},
-    {nullptr, nullptr, 0, nullptr}};
-
-static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
-
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }
