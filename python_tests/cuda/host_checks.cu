@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "dflash/cuda/launch_block_attention.cuh"
-#include "dflash/cuda/launch_inject_context_kv.cuh"
-#include "dflash/cuda/launch_project_features.cuh"
+#include "dflash/cuda/inject_context_kv.cuh"
+#include "dflash/cuda/project_features.cuh"
 
 using namespace dflash::cuda;
 using namespace dflash::cuda::DFLASH_ARCH_NS;

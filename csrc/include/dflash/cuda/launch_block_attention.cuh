@@ -1,6 +1,6 @@
 // Host side of block_attention for one architecture: kernel choice, split-KV plan, launch.
 #pragma once
-#include "dflash/cuda/attention_kernels.cuh"
+#include "dflash/cuda/block_attention.cuh"
 #include "dflash/cuda/plans.h"
 #include "dflash/cuda/simt_kernels.cuh"
 

@@ -1,6 +1,6 @@
 // Host side of inject_context_kv for one architecture: kernel choice, split-K plan, launch.
 #pragma once
-#include "dflash/cuda/gemm_kernels.cuh"
+#include "dflash/cuda/weight_stream_gemm.cuh"
 #include "dflash/cuda/plans.h"
 #include "dflash/cuda/simt_kernels.cuh"
 
