@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "dflash/cuda/launch_block_attention.cuh"
+#include "dflash/cuda/block_attention.cuh"
 #include "dflash/cuda/inject_context_kv.cuh"
 #include "dflash/cuda/project_features.cuh"
 
