@@ -2,7 +2,7 @@
 
 Each function calls the compiled op ``torch.ops.dflash_ext.<name>``; the fake (meta)
 kernels registered here give output shapes to ``torch.compile`` and FakeTensor
-tracing. Input checks live in the compiled op (csrc/ops.cpp) and name the argument.
+tracing. Input checks live in the compiled op (csrc/checks.cpp) and name the argument.
 """
 from typing import Optional, Sequence
 

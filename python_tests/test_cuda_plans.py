@@ -8,7 +8,7 @@ import pytest
 
 import dflash_ext._C as C
 
-KEY_TILE = 64          # the attention kernel's key tile (attention_kernels.cuh)
+KEY_TILE = 64          # the attention kernel's key tile (block_attention.cuh)
 MIN_KEYS = 256         # kAttnMinKeysPerSplit
 MIN_K_TILES = 4        # kGemmMinKTilesPerSplit
 H200_WAVE = 132 * 2    # 132 SMs x 2 resident CTAs

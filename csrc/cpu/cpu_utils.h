@@ -31,6 +31,9 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 // C[M, N] = A[M, K] · B[K, N] + beta · C
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
              int64_t ldb, float beta, float* C, int64_t ldc);
+// Routes gemm_nt / gemm_nn through at::mm instead of BLAS (a test hook, dflash_ext._C);
+// returns the previous setting.
+bool set_blas_fallback(bool enable);
 
 // c[M, N] (fp32) = cat(a, 1) · b^T, b [N, sum_j K_j], on the library GEMM ATen picks for the
 // dtype: MKL for fp32 (one call per K-segment, accumulated in c, no concatenation), oneDNN

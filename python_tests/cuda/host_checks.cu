@@ -16,9 +16,9 @@
 #include <cstdio>
 #include <vector>
 
-#include "dflash/cuda/launch_block_attention.cuh"
-#include "dflash/cuda/launch_inject_context_kv.cuh"
-#include "dflash/cuda/launch_project_features.cuh"
+#include "dflash/cuda/block_attention.cuh"
+#include "dflash/cuda/inject_context_kv.cuh"
+#include "dflash/cuda/project_features.cuh"
 
 using namespace dflash::cuda;
 using namespace dflash::cuda::DFLASH_ARCH_NS;

@@ -1,5 +1,5 @@
 // Device helpers shared by the dflash CUDA kernels: element types, conversions, warp
-// reductions, 16-byte cp.async with zero fill, and launch error checks.
+// reductions, 16-byte cp.async with zero fill, launch error checks, the SIMT block size.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -15,7 +15,7 @@
 
 #include "dflash/cuda/params.h"
 
-// Each .cu file includes the kernel headers once for one architecture and names that
+// Each .cu file includes its op's header (<op>.cuh) once for one architecture and names that
 // architecture's namespace here, so the kernels of different files never share a symbol.
 #ifndef DFLASH_ARCH_NS
 #error "define DFLASH_ARCH_NS (sm80, sm90a, sm100) before including the dflash CUDA kernels"
@@ -67,6 +67,11 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// Block size of the SIMT kernels of every op: the plain CUDA-core path for every dtype
+// (float32 in particular) and for shapes the tensor-core kernels do not take (odd widths,
+// head dims other than 64 and 128, unaligned bases); fp32 accumulation, correctness over speed.
+inline constexpr int kSimtThreads = 128;
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(cutlass::bfloat16_t x) { return float(x); }
 __device__ __forceinline__ float to_float(cutlass::half_t x) { return float(x); }
@@ -101,22 +106,6 @@ void dispatch_all_types(DType dtype, F&& f) {
   if (dtype == DType::kFloat32) f.template operator()<float>();
   else if (dtype == DType::kBFloat16) f.template operator()<cutlass::bfloat16_t>();
   else f.template operator()<cutlass::half_t>();
-}
-
-// The keys of sequence b in block_attention: keys [0, n_ctx) are the cache rows
-// [start, start + n_ctx), keys [n_ctx, total) the sequence's Bq block rows.
-struct KeyRange {
-  int64_t start;
-  int n_ctx, total;
-};
-
-// The index guards (params.h): the range is clamped to the cache and to the planned
-// context, so that no key outside k_cache is read even when validation is off.
-__device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
-  const int64_t off = min(max(p.cache_offsets[b], int64_t(0)), p.S);
-  const int64_t n = min(max(p.cache_lens[b], int64_t(0)), p.S - off);
-  const int64_t visible = min(visible_context(n, p.window), p.max_context);
-  return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
 }
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

@@ -1,5 +1,6 @@
-// Tensor-core block attention: the Bq draft queries of one sequence attend, non-causally,
-// to that sequence's visible context in the cache followed by its own Bq block keys.
+// block_attention for one architecture: the Bq draft queries of one sequence attend,
+// non-causally, to that sequence's visible context in the cache followed by its own Bq
+// block keys. The tensor-core kernel:
 //   - GQA packing: the Bq x group query rows that share a KV head form the M dimension
 //     (16 x 4 = 64 rows = one wgmma warpgroup), so each K/V tile is read once per KV head.
 //   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp,
@@ -9,7 +10,8 @@
 //     accumulators, shared with the other lanes of its quad (quad shuffles reduce a row);
 //     P goes back to shared memory as the A operand of P*V (V is read MN-major).
 // Requirements (checked by the plan function, else the SIMT path runs): bf16/fp16,
-// D in {64, 128}.
+// D in {64, 128}. The SIMT kernel (every dtype, D <= kSimtMaxHeadDim): one warp per
+// (sequence, query, q head). Host side: kernel choice, split-KV plan, launch.
 #pragma once
 #include <cmath>
 
@@ -17,6 +19,23 @@
 #include "dflash/cuda/tile_gemm.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
+
+// ---------------------------------------------------------------- kernels
+// The keys of sequence b in block_attention: keys [0, n_ctx) are the cache rows
+// [start, start + n_ctx), keys [n_ctx, total) the sequence's Bq block rows.
+struct KeyRange {
+  int64_t start;
+  int n_ctx, total;
+};
+
+// The index guards (params.h): the range is clamped to the cache and to the planned
+// context, so that no key outside k_cache is read even when validation is off.
+__device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
+  const int64_t off = min(max(p.cache_offsets[b], int64_t(0)), p.S);
+  const int64_t n = min(max(p.cache_lens[b], int64_t(0)), p.S - off);
+  const int64_t visible = min(visible_context(n, p.window), p.max_context);
+  return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
+}
 
 inline constexpr int kAttnBM = 64;  // packed query rows per CTA
 inline constexpr int kAttnBN = 64;  // keys per tile
@@ -241,6 +260,112 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     }
   }
   if (p.splits > 1) combine_splits_if_last<T, D>(p, r0, rows, row_index, reinterpret_cast<float*>(smem_raw));
+}
+
+// One warp per (sequence, query, q head): online softmax over the keys, D <= 256.
+template <class T>
+__global__ void __launch_bounds__(kSimtThreads)
+block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
+  constexpr int kPerLane = kSimtMaxHeadDim / 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kSimtThreads + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq) return;
+  const int h = warp % p.Hq, b = warp / (static_cast<int64_t>(p.Hq) * p.Bq);
+  const int kvh = h / (p.Hq / p.Hkv), D = p.D;
+  const KeyRange keys = key_range(p, b);
+  const T* q = static_cast<const T*>(p.q) + warp * D;
+  float qv[kPerLane], o[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int d = lane + 32 * j;
+    qv[j] = d < D ? to_float(q[d]) * p.scale : 0.f;
+    o[j] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  for (int key = 0; key < keys.total; ++key) {
+    const bool from_block = key >= keys.n_ctx;
+    const int64_t row = from_block ? (static_cast<int64_t>(b) * p.Bq + (key - keys.n_ctx)) * p.Hkv + kvh
+                                   : (keys.start + key) * p.Hkv + kvh;
+    const T* k = static_cast<const T*>(from_block ? p.k_block : p.k_cache) + row * D;
+    const T* v = static_cast<const T*>(from_block ? p.v_block : p.v_cache) + row * D;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (lane + 32 * j < D) s += qv[j] * to_float(k[lane + 32 * j]);
+    s = warp_sum(s);
+    const float m_new = fmaxf(m, s), alpha = expf(m - m_new), e = expf(s - m_new);
+    l = l * alpha + e;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (lane + 32 * j < D) o[j] = o[j] * alpha + e * to_float(v[lane + 32 * j]);
+    m = m_new;
+  }
+  T* out = static_cast<T*>(p.out) + warp * D;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j)
+    if (lane + 32 * j < D) out[lane + 32 * j] = from_float<T>(o[j] / l);
+}
+
+// ---------------------------------------------------------------- plan and launch
+template <class T, int D>
+int attention_tc_ctas_per_sm() {
+  return prepare_kernel<&block_attention_tc_kernel<T, D>>(kTileThreads, attention_smem_bytes<D>(sizeof(T)),
+                                                         "block_attention");
+}
+
+inline int attention_row_tiles(const BlockAttentionParams& p) {
+  return ceil_div(static_cast<int64_t>(p.Bq) * (p.Hq / p.Hkv), kAttnBM);
+}
+
+// Sets p.splits / p.keys_per_split from p.max_keys (a static bound: the plan reads no
+// index value) and returns whether the tensor-core kernel runs.
+bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
+  const int smem = p.D == 64 ? attention_smem_bytes<64>(2) : attention_smem_bytes<128>(2);
+  const bool tc = p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && aligned16(p.q) &&
+                  aligned16(p.k_block) && aligned16(p.v_block) && aligned16(p.k_cache) &&
+                  aligned16(p.v_cache) && smem <= dev.max_smem_per_block;
+  p.tensor_cores = tc;
+  p.splits = 1;
+  p.tile_counter_count = 0;
+  p.keys_per_split = static_cast<int>(std::min<int64_t>(p.max_keys, INT32_MAX));
+  if (!tc) return false;
+  int per_sm = 1;
+  auto occupancy = [&]<class T>() {
+    if constexpr (!std::is_same_v<T, float>)
+      per_sm = p.D == 64 ? attention_tc_ctas_per_sm<T, 64>() : attention_tc_ctas_per_sm<T, 128>();
+  };
+  dispatch_all_types(p.dtype, occupancy);
+  const int64_t ctas = static_cast<int64_t>(p.Bsz) * p.Hkv * attention_row_tiles(p);
+  p.tile_counter_count = ctas;
+  const SplitPlan plan = attention_split_plan(ctas, p.max_keys, kAttnBN, static_cast<int64_t>(dev.num_sms) * per_sm);
+  p.splits = plan.splits;
+  p.keys_per_split = plan.units_per_split * kAttnBN;
+  return true;
+}
+
+template <class T, int D>
+void launch_attention_tc(const BlockAttentionParams& p, cudaStream_t stream) {
+  constexpr int smem = attention_smem_bytes<D>(sizeof(T));
+  attention_tc_ctas_per_sm<T, D>();  // the shared-memory opt-in (once per device)
+  const dim3 grid(p.Bsz * p.Hkv, attention_row_tiles(p), p.splits);
+  block_attention_tc_kernel<T, D><<<grid, kTileThreads, smem, stream>>>(p);
+  check_launch("block_attention_tc_kernel");
+}
+
+void block_attention(const BlockAttentionParams& p, cudaStream_t stream) {
+  auto run = [&]<class T>() {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (p.tensor_cores) {
+        if (p.D == 64) launch_attention_tc<T, 64>(p, stream);
+        else launch_attention_tc<T, 128>(p, stream);
+        return;
+      }
+    }
+    const int64_t warps = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;
+    block_attention_simt_kernel<T><<<ceil_div(warps * 32, kSimtThreads), kSimtThreads, 0, stream>>>(p);
+    check_launch("block_attention_simt_kernel");
+  };
+  dispatch_all_types(p.dtype, run);
 }
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS
