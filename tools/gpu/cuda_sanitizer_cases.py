@@ -1,7 +1,9 @@
 """Small CUDA cases of every op, one kernel path each, for `compute-sanitizer`:
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/cuda_sanitizer_cases.py
-    compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/cuda_sanitizer_cases.py --quick
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m tools.gpu.cuda_sanitizer_cases
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m tools.gpu.cuda_sanitizer_cases --quick
+
+(from the repository root, as tools/gpu/gpu_check.sh runs them).
 
 Each case runs the op once and compares it with the fp32 reference (a loose check: the
 tests hold the tolerances; this script is about memory errors). Exits non-zero on a
