@@ -1,10 +1,10 @@
 """Benchmark each fused dflash_ext op against the plain PyTorch a user would write.
 
-    .venv/bin/python bench/bench_ops.py                 # both presets, bf16 and fp32, 2 threads, CPU
-    .venv/bin/python bench/bench_ops.py --quick         # smoke test
-    .venv/bin/python bench/bench_ops.py --isa all       # every CPU path this machine can run
-    .venv/bin/python bench/bench_ops.py --presets smollm2 --tokens 1 16 --contexts 4096 --batch 1 4
-    .venv/bin/python bench/bench_ops.py --device cuda
+    .venv/bin/python -m bench.bench_ops                 # both presets, bf16 and fp32, 2 threads, CPU
+    .venv/bin/python -m bench.bench_ops --quick         # smoke test
+    .venv/bin/python -m bench.bench_ops --isa all       # every CPU path this machine can run
+    .venv/bin/python -m bench.bench_ops --presets smollm2 --tokens 1 16 --contexts 4096 --batch 1 4
+    .venv/bin/python -m bench.bench_ops --device cuda
 
 Prints the CPU model and ISA level found, then a table per op whose rows name the ISA level
 the CPU kernels ran at (``isa``; ``--isa`` forces levels with hardware.forced_cpu_isa) and
@@ -24,19 +24,17 @@ import contextlib
 import inspect
 import itertools
 import math
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
-from _common import DTYPES, MismatchError  # noqa: E402
+from bench import _common
+from bench._common import DTYPES, MismatchError
 
-from dflash_ext import hardware, ops, reference  # noqa: E402
-from dflash_ext.reference import (eager_bare_linear, eager_block_attention, eager_inject_context_kv,  # noqa: E402
+from dflash_ext import hardware, ops, reference
+from dflash_ext.reference import (eager_bare_linear, eager_block_attention, eager_inject_context_kv,
                                   eager_project_features, sdpa_block_attention, sdpa_problem, sdpa_supports_gqa)
-from dflash_ext.testing import randn  # noqa: E402
+from dflash_ext.testing import randn
 
 PRESETS = {name: dict(H=p["hidden_size"], Hq=p["num_attention_heads"], Hkv=p["num_key_value_heads"], D=p["head_dim"],
                       N=p["num_hidden_layers"], k=p["k"], I=p["intermediate_size"], V=p["vocab_size"])

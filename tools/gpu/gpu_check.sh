@@ -9,9 +9,9 @@
 #      (no sync with validate=False, graph replay == eager step) and the SASS/spill checks;
 #   5. runs compute-sanitizer memcheck (all small cases) and racecheck (a few) on
 #      tools/gpu/cuda_sanitizer_cases.py;
-#   6. runs bench/draft_latency.py (a Qwen3-8B-shaped draft step: CUDA graph vs eager
+#   6. runs bench.draft_latency (a Qwen3-8B-shaped draft step: CUDA graph vs eager
 #      fused vs reference vs the HBM floor, B in {8, 16}, context in {1k, 4k, 16k}) and a
-#      short bench/bench_ops.py (medians, GB/s against the measured copy bandwidth).
+#      short bench.bench_ops (medians, GB/s against the measured copy bandwidth).
 # The step limits add up to about 8 minutes (the device tool cuts a call at 10), the most
 # important first; a step that runs out is recorded as failed (rc 124) and the rest go on.
 # Usage: tools/gpu/gpu_check.sh [OUT_DIR]   (default: $OUT, else ./gpu_check_out)
@@ -89,11 +89,11 @@ step tests 80 "$PY" -m pytest -q -rs -x -p no:cacheprovider -m "not slow" --juni
   python_tests/test_block_attention.py python_tests/test_bad_inputs.py \
   python_tests/test_compile_opcheck.py python_tests/test_cuda_build.py
 step memcheck 50 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" -m tools.gpu.cuda_sanitizer_cases
-step draft_latency 60 "$PY" bench/draft_latency.py --device cuda --presets qwen3-8b --dtype bfloat16 \
+step draft_latency 60 "$PY" -m bench.draft_latency --device cuda --presets qwen3-8b --dtype bfloat16 \
   --blocks 8 16 --contexts 1024 4096 16384 --batch 1 --budget 0.3 --max-wait 2 --no-breakdown \
   --json "$OUT_DIR/draft_latency_cuda.json" --png "$OUT_DIR/draft_latency_cuda.png"
 step racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" -m tools.gpu.cuda_sanitizer_cases --quick
-step bench_ops 40 "$PY" bench/bench_ops.py --device cuda --dtype bfloat16 --tokens 1 16 \
+step bench_ops 40 "$PY" -m bench.bench_ops --device cuda --dtype bfloat16 --tokens 1 16 \
   --contexts 4096 16384 --batch 1 --budget 0.1 --json "$OUT_DIR/bench_ops_cuda.json"
 cat "$SUMMARY"
 exit "$failed"
