@@ -304,7 +304,7 @@ def test_verify_numerics_quick(tmp_path):
         assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0 and r["exact_x"] > 0
 
 
-# --------------------------------------------------------------------------- learning_curve
+# --------------------------------------------------------------------------- training.learning_curve
 
 def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
     first, second = tmp_path / "run-a", tmp_path / "run-b"
@@ -317,7 +317,7 @@ def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
     third.mkdir()
     (third / "eval.jsonl").write_text(json.dumps(dict(step=20, slot_tokens=300, tau=1.4, accept=[0.3, 0.08, 0.02]))
                                       + "\n")
-    proc = _run("learning_curve", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000",
+    proc = _run("training.learning_curve", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000",
                                       f"{third / 'eval.jsonl'}+1200"])
     rows = [line.split() for line in proc.stdout.splitlines() if line[:1] == " " or line[:1].isdigit()]
     assert ["50", "1,000", "1.250", "0.200", "0.040", "0.003"] in rows

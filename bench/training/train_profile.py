@@ -1,7 +1,8 @@
 """Where a CPU training step goes: a few steps of the CLI's `train` (one process, live target
 features) under torch.profiler, then the ops by self CPU time, grouped by input shape.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.train_profile --data data/sharegpt-7k --init drafters/smollm2-135m
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.training.train_profile --data data/sharegpt-7k \
+        --init drafters/smollm2-135m
 """
 import argparse
 import tempfile

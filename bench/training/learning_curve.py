@@ -5,7 +5,7 @@ anchors, from the per-block correctness matrix; drafts are the argmax over the d
 vocabulary where the run has one, as at inference). A run continued from another's weights
 (``train --init``) is given as ``PATH+N``: its slot-tokens start at N, the first run's total.
 
-    .venv/bin/python -m bench.learning_curve data/train-b16/eval.jsonl data/train-b8/eval.jsonl+4169144 \
+    .venv/bin/python -m bench.training.learning_curve data/train-b16/eval.jsonl data/train-b8/eval.jsonl+4169144 \
         --png bench/results/learning_curve.png
 
 The logs of the shipped drafter's runs are kept in bench/results/training/<run>/eval.jsonl
