@@ -1,7 +1,8 @@
-"""Smoke tests of bench.draft_latency, bench.e2e and bench.bench_ops: each runs (``python -m
-bench.<name>`` from the repository root) with options even smaller than --quick, and the JSON
-it writes is checked (fields and sanity, not the timings). bench_ops's CUDA-only columns (bytes moved, copy bandwidth, SDPA) are
-checked on CPU through its pure helpers and a run with them forced on; its --isa levels
+"""Smoke tests of bench.draft_latency, bench.e2e, bench.bench_ops, bench.verify_numerics and
+bench.training.learning_curve: each runs (``python -m bench.<name>`` from the repository
+root) with options even smaller than --quick, and the JSON it writes is checked (fields and
+sanity, not the timings). bench_ops's CUDA-only columns (bytes moved, copy bandwidth, SDPA)
+are checked on CPU through its pure helpers and a run with them forced on; its --isa levels
 through a faked dflash_ext.hardware ISA API."""
 import importlib.util
 import json
