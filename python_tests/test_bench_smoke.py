@@ -261,7 +261,7 @@ def test_rowwise_verify_reproduces_one_token_decoding(dtype):
     one query at a time) equals decoding with streamed linear layers bitwise at B <= 4,
     where skinny_linear sums each row in the same order as for one row. Leaving either
     restores the model's own forward."""
-    from decoding_helpers import tiny_target
+    from python_tests.decoding_helpers import tiny_target
     from dflash_ext import hardware
 
     vn = _bench_module("verify_numerics")

@@ -84,10 +84,10 @@ if ! step build 200 build; then
   exit 1
 fi
 step tests 80 "$PY" -m pytest -q -rs -x -p no:cacheprovider -m "not slow" --junitxml="$OUT_DIR/tests.xml" \
-  python_tests/test_cuda_graph.py python_tests/test_validation_modes.py python_tests/test_cuda_plans.py \
-  python_tests/test_project_features.py python_tests/test_inject_context_kv.py \
-  python_tests/test_block_attention.py python_tests/test_bad_inputs.py \
-  python_tests/test_compile_opcheck.py python_tests/test_cuda_build.py
+  python_tests/cuda/test_cuda_graph.py python_tests/ops/test_validation_modes.py python_tests/cuda/test_cuda_plans.py \
+  python_tests/ops/test_project_features.py python_tests/ops/test_inject_context_kv.py \
+  python_tests/ops/test_block_attention.py python_tests/ops/test_bad_inputs.py \
+  python_tests/ops/test_compile_opcheck.py python_tests/cuda/test_cuda_build.py
 step memcheck 50 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" -m tools.gpu.cuda_sanitizer_cases
 step draft_latency 60 "$PY" -m bench.draft_latency --device cuda --presets qwen3-8b --dtype bfloat16 \
   --blocks 8 16 --contexts 1024 4096 16384 --batch 1 --budget 0.3 --max-wait 2 --no-breakdown \

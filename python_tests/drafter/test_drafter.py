@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_ext.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from decoding_helpers import tiny_target_config
+from python_tests.decoding_helpers import tiny_target_config
 
 
 def test_default_target_layers_match_the_reference_rule():

@@ -9,7 +9,7 @@ import torch
 
 from dflash_ext.decoding import DFlashProposer, spec_generate, target_generate
 from dflash_ext.drafter import DRAFT_VOCAB_NAME, DFlashDrafter
-from decoding_helpers import tiny_target
+from python_tests.decoding_helpers import tiny_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]
 

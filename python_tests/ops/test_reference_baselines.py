@@ -5,7 +5,7 @@ import torch
 from dflash_ext import reference
 from dflash_ext.testing import make_attention_inputs, make_inject_inputs, make_project_inputs
 
-from helpers import assert_close
+from python_tests.helpers import assert_close
 
 
 def test_eager_project_features_and_bare_linear():

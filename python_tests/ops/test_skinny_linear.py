@@ -10,7 +10,7 @@ from dflash_ext.decoding import linear_rows, streamed_linears
 from dflash_ext.hardware import skinny_linear_streams
 from dflash_ext.testing import make_linear_inputs
 
-from helpers import DEVICES, DTYPES, check_op
+from python_tests.helpers import DEVICES, DTYPES, check_op
 
 
 # Rows 1..8 stream on the CPU, 9 and 300 go to the library; K = 1536 / 576 are the
