@@ -4,7 +4,7 @@
 #   ./run.sh demo  [generate args]       the main job: DFlash speculative decoding on the
 #                                        embedded SmolLM2-135M target, vs the target alone
 #   ./run.sh test  [pytest args]         the test suite
-#   ./run.sh bench [bench_ops.py args]   fused ops vs eager PyTorch
+#   ./run.sh bench [bench_ops args]      fused ops vs eager PyTorch (python -m bench.bench_ops)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -43,7 +43,7 @@ job=${1:-}
 shift || true
 case "$job" in
   demo) exec "$PY" -m dflash_ext generate --baseline "$@" ;;
-  bench) exec "$PY" bench/bench_ops.py "$@" ;;
+  bench) exec "$PY" -m bench.bench_ops "$@" ;;
   test) exec "$PY" -m pytest python_tests "$@" ;;
   *) echo "usage: ./run.sh {demo|test|bench} [args]" >&2; exit 2 ;;
 esac

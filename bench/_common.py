@@ -1,4 +1,4 @@
-"""Helpers shared by bench/bench_ops.py, bench/draft_latency.py and bench/e2e.py: a median
+"""Helpers shared by the benchmarks (bench.bench_ops, bench.draft_latency, bench.e2e, ...): a median
 timer (torch.utils.benchmark), run metadata, one table formatter, one JSON writer, and
 matplotlib for the plots."""
 import argparse

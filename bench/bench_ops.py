@@ -1,10 +1,10 @@
 """Benchmark each fused dflash_ext op against the plain PyTorch a user would write.
 
-    .venv/bin/python bench/bench_ops.py                 # both presets, bf16 and fp32, 2 threads, CPU
-    .venv/bin/python bench/bench_ops.py --quick         # smoke test
-    .venv/bin/python bench/bench_ops.py --isa all       # every CPU path this machine can run
-    .venv/bin/python bench/bench_ops.py --presets smollm2 --tokens 1 16 --contexts 4096 --batch 1 4
-    .venv/bin/python bench/bench_ops.py --device cuda
+    .venv/bin/python -m bench.bench_ops                 # both presets, bf16 and fp32, 2 threads, CPU
+    .venv/bin/python -m bench.bench_ops --quick         # smoke test
+    .venv/bin/python -m bench.bench_ops --isa all       # every CPU path this machine can run
+    .venv/bin/python -m bench.bench_ops --presets smollm2 --tokens 1 16 --contexts 4096 --batch 1 4
+    .venv/bin/python -m bench.bench_ops --device cuda
 
 Prints the CPU model and ISA level found, then a table per op whose rows name the ISA level
 the CPU kernels ran at (``isa``; ``--isa`` forces levels with hardware.forced_cpu_isa) and
@@ -24,18 +24,17 @@ import contextlib
 import inspect
 import itertools
 import math
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
-from _common import DTYPES, MismatchError  # noqa: E402
+from bench import _common
+from bench._common import DTYPES, MismatchError
 
-from dflash_ext import hardware, ops, reference  # noqa: E402
-from dflash_ext.reference import (eager_bare_linear, eager_block_attention, eager_inject_context_kv,  # noqa: E402
+from dflash_ext import hardware, ops, reference
+from dflash_ext.reference import (eager_bare_linear, eager_block_attention, eager_inject_context_kv,
                                   eager_project_features, sdpa_block_attention, sdpa_problem, sdpa_supports_gqa)
+from dflash_ext.testing import randn
 
 PRESETS = {name: dict(H=p["hidden_size"], Hq=p["num_attention_heads"], Hkv=p["num_key_value_heads"], D=p["head_dim"],
                       N=p["num_hidden_layers"], k=p["k"], I=p["intermediate_size"], V=p["vocab_size"])
@@ -97,16 +96,12 @@ def add_bandwidth(row, copy_gbps):
 
 # --------------------------------------------------------------------------- cases: check, then yield callables
 
-def randn(shape, dtype, device, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
-
-
 def cases_project_features(p, dtype, device, args, gen):
     H, k = p["H"], p["k"]
-    fc_weight = randn((H, k * H), dtype, device, gen, 1.0 / math.sqrt(k * H))
-    norm_weight = randn((H,), dtype, device, gen, 0.1).add_(1.0)
+    fc_weight = randn((H, k * H), gen, dtype, device, 1.0 / math.sqrt(k * H))
+    norm_weight = randn((H,), gen, dtype, device, 0.1).add_(1.0)
     for T in args.tokens:
-        a = ([randn((T, H), dtype, device, gen) for _ in range(k)], fc_weight, norm_weight, EPS)
+        a = ([randn((T, H), gen, dtype, device) for _ in range(k)], fc_weight, norm_weight, EPS)
         cat_x = torch.cat(a[0], -1)
         check_close(f"project_features[{p['name']}, {dtype}, T={T}]", ops.project_features(*a),
                     eager_project_features(*a), reference.project_features(*a), dtype)
@@ -118,14 +113,14 @@ def cases_project_features(p, dtype, device, args, gen):
 def cases_inject_context_kv(p, dtype, device, args, gen):
     H, Hkv, D, N = p["H"], p["Hkv"], p["D"], p["N"]
     S = max(args.contexts) + max(args.tokens)  # cache rows: the longest context plus the new tokens
-    k_weight, v_weight = (randn((N, Hkv * D, H), dtype, device, gen, 1.0 / math.sqrt(H)) for _ in range(2))
-    k_norm_weight = randn((N, D), dtype, device, gen, 0.1).add_(1.0)
+    k_weight, v_weight = (randn((N, Hkv * D, H), gen, dtype, device, 1.0 / math.sqrt(H)) for _ in range(2))
+    k_norm_weight = randn((N, D), gen, dtype, device, 0.1).add_(1.0)
     ang = torch.arange(S, dtype=torch.float64)[:, None] / ROPE_THETA ** (torch.arange(0, D, 2).double() / D)
     cos, sin = (f(torch.cat([ang, ang], -1)).to(dtype).to(device) for f in (torch.cos, torch.sin))
     kv = {name: torch.zeros((2, N, S, Hkv, D), dtype=dtype, device=device) for name in ("fused", "eager", "ref")}
     for T in args.tokens:
         positions = torch.arange(min(args.contexts), min(args.contexts) + T, device=device)  # = slots
-        a = (randn((T, H), dtype, device, gen), k_weight, v_weight, k_norm_weight, cos, sin, positions, positions)
+        a = (randn((T, H), gen, dtype, device), k_weight, v_weight, k_norm_weight, cos, sin, positions, positions)
         for c in kv.values():
             c.zero_()  # whole caches compared: rows outside the slots must stay zero
         for name, fn in (("fused", ops.inject_context_kv), ("eager", eager_inject_context_kv),
@@ -143,11 +138,11 @@ def cases_block_attention(p, dtype, device, args, gen):
     scale = 1.0 / math.sqrt(D)
     for bsz in args.batch:
         for ctx_len in args.contexts:  # contexts back to back in the cache, one length: eager can batch
-            cache = [randn((bsz * ctx_len, Hkv, D), dtype, device, gen) for _ in range(2)]
+            cache = [randn((bsz * ctx_len, Hkv, D), gen, dtype, device) for _ in range(2)]
             idx = (torch.arange(bsz, device=device) * ctx_len, torch.full((bsz,), ctx_len, device=device))
             for Bq in args.tokens:
-                a = (randn((bsz, Bq, Hq, D), dtype, device, gen), randn((bsz, Bq, Hkv, D), dtype, device, gen),
-                     randn((bsz, Bq, Hkv, D), dtype, device, gen), *cache)
+                a = (randn((bsz, Bq, Hq, D), gen, dtype, device), randn((bsz, Bq, Hkv, D), gen, dtype, device),
+                     randn((bsz, Bq, Hkv, D), gen, dtype, device), *cache)
                 name = f"block_attention[{p['name']}, {dtype}, Bsz={bsz}, Bq={Bq}, ctx={ctx_len}]"
                 fused, ref = ops.block_attention(*a, *idx, scale), reference.block_attention(*a, *idx, scale)
                 check_close(name, fused, eager_block_attention(*a, ctx_len, scale), ref, dtype)
@@ -170,9 +165,9 @@ def linear_weights(p):
 
 def cases_skinny_linear(p, dtype, device, args, gen):
     for name, (n_out, n_in) in linear_weights(p):
-        weight = randn((n_out, n_in), dtype, device, gen, 1.0 / math.sqrt(n_in))
+        weight = randn((n_out, n_in), gen, dtype, device, 1.0 / math.sqrt(n_in))
         for T in args.tokens:
-            x = randn((T, n_in), dtype, device, gen)
+            x = randn((T, n_in), gen, dtype, device)
             check_close(f"skinny_linear[{p['name']} {name}, {dtype}, T={T}]", ops.skinny_linear(x, weight),
                         torch.nn.functional.linear(x, weight), reference.skinny_linear(x, weight), dtype,
                         other_name="F.linear")

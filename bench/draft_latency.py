@@ -1,9 +1,9 @@
 """Latency of one whole DFlash draft step, fused ops vs the plain-PyTorch reference path.
 
-    .venv/bin/python bench/draft_latency.py                 # default grid for the device
-    .venv/bin/python bench/draft_latency.py --quick         # smoke test
-    .venv/bin/python bench/draft_latency.py --presets smollm2 --blocks 4 16 --contexts 512 8192 --batch 1 4
-    .venv/bin/python bench/draft_latency.py --device cuda
+    .venv/bin/python -m bench.draft_latency                 # default grid for the device
+    .venv/bin/python -m bench.draft_latency --quick         # smoke test
+    .venv/bin/python -m bench.draft_latency --presets smollm2 --blocks 4 16 --contexts 512 8192 --batch 1 4
+    .venv/bin/python -m bench.draft_latency --device cuda
 
 One step, as DFlashProposer runs it: project_features + inject_context_kv of the ``tau``
 tokens the last verify accepted, the N layers over the block [last token, MASK x (B-1)]
@@ -26,14 +26,13 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
-from _common import DTYPES, OUT_DIR, MismatchError, format_table  # noqa: E402
+from bench import _common
+from bench._common import DTYPES, OUT_DIR, MismatchError, format_table
 
-from dflash_ext import ops, reference  # noqa: E402
-from dflash_ext.proposer import capture_cuda_graph, draft_tokens  # noqa: E402
-from dflash_ext.config import DFlashConfig, default_target_layer_ids  # noqa: E402
-from dflash_ext.drafter import DFlashDrafter  # noqa: E402
+from dflash_ext import ops, reference
+from dflash_ext.config import DFlashConfig, default_target_layer_ids
+from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.proposer import capture_cuda_graph, draft_tokens
 
 PRESETS = _common.DRAFTERS  # DFlashConfig fields, plus k target features and the rope theta
 ALL_BLOCKS, ALL_CONTEXTS = [2, 4, 8, 10, 16, 32], [512, 2048, 8192, 32768]

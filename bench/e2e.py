@@ -2,11 +2,11 @@
 
 How to run (from the repository root, with the extension already built)::
 
-    .venv/bin/python bench/e2e.py --quick                       # smoke test: 2 prompts per set, 32 tokens
-    .venv/bin/python bench/e2e.py --drafter runs/smollm2-dflash  # a trained drafter checkpoint
-    .venv/bin/python bench/e2e.py --sets humaneval --n 20 --max-new-tokens 256 --block-size 8
-    .venv/bin/python bench/e2e.py --prompts "Write a haiku." "Explain RoPE." --sets
-    .venv/bin/python bench/e2e.py --prompt-file my_prompts.jsonl --sets
+    .venv/bin/python -m bench.e2e --quick                       # smoke test: 2 prompts per set, 32 tokens
+    .venv/bin/python -m bench.e2e --drafter runs/smollm2-dflash  # a trained drafter checkpoint
+    .venv/bin/python -m bench.e2e --sets humaneval --n 20 --max-new-tokens 256 --block-size 8
+    .venv/bin/python -m bench.e2e --prompts "Write a haiku." "Explain RoPE." --sets
+    .venv/bin/python -m bench.e2e --prompt-file my_prompts.jsonl --sets
 
 For every prompt the target alone (``target_generate``, one token per forward pass) and
 DFlash (``spec_generate``) run side by side, same dtype, threads and sampling settings
@@ -50,9 +50,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
-from _common import DTYPES, OUT_DIR, format_table  # noqa: E402
+from bench import _common
+from bench._common import DTYPES, OUT_DIR, format_table
 
 DEFAULT_SETS = ["humaneval", "mtbench", "sharegpt"]
 

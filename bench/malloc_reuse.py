@@ -3,7 +3,7 @@ process, live target features) with glibc's default malloc against the same run 
 memory kept, each in a fresh process. Prints page faults, user and system CPU seconds and
 the wall time of each (start-up included), and the CPU model.
 
-    .venv/bin/python bench/malloc_reuse.py --data data/sharegpt-7k --init drafters/smollm2-135m
+    .venv/bin/python -m bench.malloc_reuse --data data/sharegpt-7k --init drafters/smollm2-135m
 """
 import argparse
 import os
@@ -13,8 +13,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+from bench import _common
 
 _CHILD = """
 import sys

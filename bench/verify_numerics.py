@@ -28,8 +28,8 @@ A row-wise verify is exact only as far as the kernels' results do not depend on 
 memory layout of their inputs; (2) checks it, row by row.
 
 Usage:
-    .venv/bin/python bench/verify_numerics.py                     # bf16 and fp32, B = 2 3 4 8 16
-    .venv/bin/python bench/verify_numerics.py --dtype bfloat16 --sizes 2 4 --n 1 --quick
+    .venv/bin/python -m bench.verify_numerics                     # bf16 and fp32, B = 2 3 4 8 16
+    .venv/bin/python -m bench.verify_numerics --dtype bfloat16 --sizes 2 4 --n 1 --quick
 """
 import contextlib
 import os
@@ -38,10 +38,9 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
-from dflash_ext.target import TargetRunner, crop_cache, streamed_linears  # noqa: E402
-from _common import DTYPES, OUT_DIR, format_table  # noqa: E402
+from bench import _common
+from bench._common import DTYPES, OUT_DIR, format_table
+from dflash_ext.target import TargetRunner, crop_cache, streamed_linears
 
 ROWWISE_ATTENTION = "rowwise_sdpa"  # no "flash" in the name: transformers would look for a flash-attention kernel
 

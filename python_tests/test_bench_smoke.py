@@ -1,7 +1,8 @@
-"""Smoke tests of bench/draft_latency.py, bench/e2e.py and bench/bench_ops.py: each runs with
-options even smaller than --quick, and the JSON it writes is checked (fields and sanity,
-not the timings). bench_ops.py's CUDA-only columns (bytes moved, copy bandwidth, SDPA) are
-checked on CPU through its pure helpers and a run with them forced on; its --isa levels
+"""Smoke tests of bench.draft_latency, bench.e2e, bench.bench_ops, bench.verify_numerics and
+bench.training.learning_curve: each runs (``python -m bench.<name>`` from the repository
+root) with options even smaller than --quick, and the JSON it writes is checked (fields and
+sanity, not the timings). bench_ops's CUDA-only columns (bytes moved, copy bandwidth, SDPA)
+are checked on CPU through its pure helpers and a run with them forced on; its --isa levels
 through a faked dflash_ext.hardware ISA API."""
 import importlib.util
 import json
@@ -16,8 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-def _run(script, args, timeout=240):
-    cmd = [sys.executable, os.path.join(REPO, "bench", script)] + args
+def _run(module, args, timeout=240):
+    """python -m bench.<module> ARGS from the repository root (as a user runs it)."""
+    cmd = [sys.executable, "-m", f"bench.{module}"] + args
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (f"{' '.join(cmd)} failed with {proc.returncode}\n--- stdout\n"
                                   f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -27,7 +29,7 @@ def _run(script, args, timeout=240):
 @pytest.mark.slow
 def test_draft_latency_quick(tmp_path):
     out, png = tmp_path / "dl.json", tmp_path / "dl.png"
-    proc = _run("draft_latency.py", [
+    proc = _run("draft_latency", [
         "--quick", "--presets", "smollm2", "--blocks", "4", "--contexts", "64", "--batch", "1", "2",
         "--tau", "3", "--min-repeats", "2", "--warmup", "1", "--budget", "0.05",
         "--max-wait", "0.5", "--threads", "1", "--json", str(out), "--png", str(png)])
@@ -62,7 +64,7 @@ def test_e2e_quick(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     have_sets = importlib.util.find_spec("dflash_ext.prompts") is not None
     sets = ["--sets", "mtbench", "--n", "1"] if have_sets else ["--sets"]
-    proc = _run("e2e.py", [
+    proc = _run("e2e", [
         "--quick", *sets, "--prompts", "What is the capital of France?", "--max-new-tokens", "12",
         "--block-size", "4", "--threads", "1", "--dtype", "float32", "--loops", "ours,hf", "--no-progress",
         "--json", str(out), "--png", str(png)])
@@ -96,18 +98,15 @@ def test_e2e_quick(tmp_path):
         assert png.stat().st_size > 1000
 
 
-# --------------------------------------------------------------------------- bench_ops.py
+# --------------------------------------------------------------------------- bench_ops
 
 def _bench_module(name):
-    """bench/<name>.py imported as a module (to test its pure helpers)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """bench.<name> imported (to test its pure helpers)."""
+    return importlib.import_module(f"bench.{name}")
 
 
 def _bench_ops():
-    """bench/bench_ops.py (its CUDA-only helpers are pure functions)."""
+    """bench.bench_ops (its CUDA-only helpers are pure functions)."""
     return _bench_module("bench_ops")
 
 
@@ -175,7 +174,7 @@ def test_copy_bandwidth_cpu():
 
 def test_bench_ops_cpu_has_no_cuda_columns(tmp_path):
     out = tmp_path / "ops.json"
-    proc = _run("bench_ops.py", TINY_OPS + ["--json", str(out)])
+    proc = _run("bench_ops", TINY_OPS + ["--json", str(out)])
     for col in ("fused_gbps", "pct_of_copy", "sdpa_ms", "ratio_vs_sdpa", "Copy bandwidth"):
         assert col not in proc.stdout
     data = json.loads(out.read_text())
@@ -253,7 +252,7 @@ def test_bench_ops_cuda_columns_forced_on_cpu(tmp_path, capsys):
             assert r["sdpa_ms"] > 0 and r["ratio_vs_sdpa"] == pytest.approx(r["sdpa_ms"] / r["fused_ms"])
 
 
-# --------------------------------------------------------------------------- verify_numerics.py
+# --------------------------------------------------------------------------- verify_numerics
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rowwise_verify_reproduces_one_token_decoding(dtype):
@@ -262,7 +261,7 @@ def test_rowwise_verify_reproduces_one_token_decoding(dtype):
     one query at a time) equals decoding with streamed linear layers bitwise at B <= 4,
     where skinny_linear sums each row in the same order as for one row. Leaving either
     restores the model's own forward."""
-    from decoding_helpers import tiny_target
+    from python_tests.decoding_helpers import tiny_target
     from dflash_ext import hardware
 
     vn = _bench_module("verify_numerics")
@@ -293,7 +292,7 @@ def test_rowwise_verify_reproduces_one_token_decoding(dtype):
 @pytest.mark.slow
 def test_verify_numerics_quick(tmp_path):
     out = tmp_path / "vn.json"
-    proc = _run("verify_numerics.py", ["--quick", "--n", "1", "--sizes", "2", "3", "--threads", "1",
+    proc = _run("verify_numerics", ["--quick", "--n", "1", "--sizes", "2", "3", "--threads", "1",
                                        "--min-repeats", "1", "--budget", "0.01", "--json", str(out)])
     assert "row-wise B / 1 token" in proc.stdout
     data = json.loads(out.read_text())
@@ -306,7 +305,7 @@ def test_verify_numerics_quick(tmp_path):
         assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0 and r["exact_x"] > 0
 
 
-# --------------------------------------------------------------------------- learning_curve.py
+# --------------------------------------------------------------------------- training.learning_curve
 
 def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
     first, second = tmp_path / "run-a", tmp_path / "run-b"
@@ -319,7 +318,7 @@ def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
     third.mkdir()
     (third / "eval.jsonl").write_text(json.dumps(dict(step=20, slot_tokens=300, tau=1.4, accept=[0.3, 0.08, 0.02]))
                                       + "\n")
-    proc = _run("learning_curve.py", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000",
+    proc = _run("training.learning_curve", [str(first / "eval.jsonl"), f"{second / 'eval.jsonl'}+1000",
                                       f"{third / 'eval.jsonl'}+1200"])
     rows = [line.split() for line in proc.stdout.splitlines() if line[:1] == " " or line[:1].isdigit()]
     assert ["50", "1,000", "1.250", "0.200", "0.040", "0.003"] in rows

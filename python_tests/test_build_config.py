@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dflash_ext._cpu_check import require_cpu_features
-from helpers import ROOT, load_setup_module
+from python_tests.helpers import ROOT, load_setup_module
 
 
 

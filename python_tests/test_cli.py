@@ -21,7 +21,7 @@ def test_export_converts_dtype(tmp_path):
     import torch
 
     from dflash_ext.drafter import DFlashDrafter
-    from decoding_helpers import tiny_target_config
+    from python_tests.decoding_helpers import tiny_target_config
 
     DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=4).save_pretrained(tmp_path / "a")
     main(["export", "--src", str(tmp_path / "a"), "--dst", str(tmp_path / "b"), "--dtype", "bfloat16"])

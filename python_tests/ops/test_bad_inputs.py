@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import dflash_ext
+from dflash_ext.testing import make_attention_inputs, make_inject_inputs, make_project_inputs
 
-from helpers import (DEVICES, HAS_CUDA, make_attention_inputs, make_inject_inputs, make_project_inputs,
-                     same_or_both_nan)
+from python_tests.helpers import DEVICES, HAS_CUDA, same_or_both_nan
 
 OPS = {
     "project_features": dflash_ext.project_features,

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash_ext
+from dflash_ext.testing import make_inject_inputs
 
-from helpers import DEVICES, DTYPES, HAS_CUDA, check_inject, make_inject_inputs
+from python_tests.helpers import DEVICES, DTYPES, HAS_CUDA, check_inject
 
 # (T, H, N, Hkv, D): every value of T {1, 7, 16, 300}, H {64, 576, 1024}, N {1, 5},
 # Hkv {3, 4, 8} (the KV heads of the (Hq, Hkv) grid) and D {64, 128} appears with each dtype.

@@ -12,7 +12,7 @@ from dflash_ext.training.data import compute_features, generate_responses, greed
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
                                         tau_of, train)
-from decoding_helpers import tiny_target, tiny_target_config
+from python_tests.decoding_helpers import tiny_target, tiny_target_config
 
 
 def test_context_mask_matches_hand_built_mask():

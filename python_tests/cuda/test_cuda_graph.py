@@ -8,8 +8,8 @@ import torch
 from dflash_ext.proposer import DFlashProposer
 from dflash_ext.drafter import DFlashDrafter
 
-from decoding_helpers import tiny_target, tiny_target_config
-from helpers import HAS_CUDA
+from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from python_tests.helpers import HAS_CUDA
 
 CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
 

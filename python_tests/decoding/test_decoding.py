@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from dflash_ext.decoding import sample_token, spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
-from decoding_helpers import OracleProposer, tiny_target
+from python_tests.decoding_helpers import OracleProposer, tiny_target
 
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3], list(range(40, 61))]
 

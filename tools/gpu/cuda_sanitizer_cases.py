@@ -1,7 +1,9 @@
 """Small CUDA cases of every op, one kernel path each, for `compute-sanitizer`:
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/cuda_sanitizer_cases.py
-    compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/cuda_sanitizer_cases.py --quick
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m tools.gpu.cuda_sanitizer_cases
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m tools.gpu.cuda_sanitizer_cases --quick
+
+(from the repository root, as tools/gpu/gpu_check.sh runs them).
 
 Each case runs the op once and compares it with the fp32 reference (a loose check: the
 tests hold the tolerances; this script is about memory errors). Exits non-zero on a
@@ -10,15 +12,13 @@ with the combine, empty splits) and the SIMT kernels (fp32, odd shapes); and the
 guards: bad slots, positions and cache ranges with validate=False (skipped or clamped, so
 memcheck must see no access outside the tensors).
 """
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python_tests"))
-import dflash_ext  # noqa: E402
-from dflash_ext import reference  # noqa: E402
-from helpers import make_attention_inputs, make_inject_inputs, make_project_inputs  # noqa: E402
+import dflash_ext
+from dflash_ext import reference
+from dflash_ext.testing import make_attention_inputs, make_inject_inputs, make_project_inputs
 
 QUICK = "--quick" in sys.argv[1:]  # bf16 and the first two shapes of each op (racecheck is slow)
 DTYPES = [torch.bfloat16] if QUICK else [torch.bfloat16, torch.float16, torch.float32]

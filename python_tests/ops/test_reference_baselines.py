@@ -3,8 +3,9 @@ compute the specified function: in fp32 they match the specification itself."""
 import torch
 
 from dflash_ext import reference
+from dflash_ext.testing import make_attention_inputs, make_inject_inputs, make_project_inputs
 
-from helpers import assert_close, make_attention_inputs, make_inject_inputs, make_project_inputs
+from python_tests.helpers import assert_close
 
 
 def test_eager_project_features_and_bare_linear():

@@ -10,8 +10,9 @@ from hypothesis import given, settings, strategies as st
 
 import dflash_ext
 from dflash_ext import reference
+from dflash_ext.testing import make_attention_inputs
 
-from helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_attention, make_attention_inputs
+from python_tests.helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_attention
 
 HEADS = [pytest.param(4, 4, id="mha4"), pytest.param(9, 3, id="gqa9x3"), pytest.param(32, 8, id="gqa32x8")]
 RAGGED = [0, 13, 1, 40]  # cache lengths of a batch of 4, one empty

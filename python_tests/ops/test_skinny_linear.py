@@ -8,16 +8,9 @@ import dflash_ext
 from dflash_ext import reference
 from dflash_ext.target import linear_rows, streamed_linears
 from dflash_ext.hardware import skinny_linear_streams
+from dflash_ext.testing import make_linear_inputs
 
-from helpers import DEVICES, DTYPES, check_op, make_gen, randn
-
-
-def make_linear_inputs(M, N, K, *, bias=False, dtype=torch.float32, device="cpu", seed=0):
-    g = make_gen(seed)
-    x = randn((M, K), g, dtype, device)
-    w = randn((N, K), g, dtype, device, std=K ** -0.5)
-    b = randn((N,), g, dtype, device) if bias else None
-    return x, w, b
+from python_tests.helpers import DEVICES, DTYPES, check_op
 
 
 # Rows 1..8 stream on the CPU, 9 and 300 go to the library; K = 1536 / 576 are the

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from dflash_ext.config import DFlashConfig
 from dflash_ext.drafter import DFlashDrafter
 
+from python_tests.helpers import ROOT
+
 H, HQ, HKV, D, N_LAYERS, K_FEATS = 64, 4, 2, 16, 2, 2
 
 ROPES = {
@@ -228,7 +230,7 @@ def test_the_shipped_drafter_computes_the_reference_draft_step():
     authors' computation written from transformers' parts."""
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m")
+    path = os.path.join(ROOT, "drafters", "smollm2-135m")
     d = json.load(open(os.path.join(path, "config.json")))
     drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32).eval()
     c = drafter.config

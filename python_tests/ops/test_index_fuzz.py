@@ -2,7 +2,7 @@
 window) either computes what the reference computes or raises a RuntimeError naming the
 argument, and never touches memory outside the tensors: near 0, S, P, 2^31, 2^62 and
 2^63-1, their negatives, and sums that overflow int64. The cases run in child processes
-(python_tests/index_fuzz_cases.py) so that an out-of-bounds crash fails the test."""
+(python_tests/ops/index_fuzz_cases.py) so that an out-of-bounds crash fails the test."""
 import json
 import os
 import subprocess
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import DEVICES
+from python_tests.helpers import DEVICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -16,7 +16,7 @@ import sysconfig
 import pytest
 
 import dflash_ext._C
-from helpers import ROOT, load_setup_module
+from python_tests.helpers import ROOT, load_setup_module
 
 
 

@@ -6,9 +6,9 @@ import torch
 
 import dflash_ext
 from dflash_ext import reference
+from dflash_ext.testing import make_attention_inputs, make_inject_inputs
 
-from helpers import (DEVICES, HAS_CUDA, make_attention_inputs, make_inject_inputs,
-                     same_or_both_nan)
+from python_tests.helpers import DEVICES, HAS_CUDA, same_or_both_nan
 
 CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
 

@@ -1,20 +1,18 @@
 """Where a CPU training step goes: a few steps of the CLI's `train` (one process, live target
 features) under torch.profiler, then the ops by self CPU time, grouped by input shape.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/train_profile.py --data data/sharegpt-7k --init drafters/smollm2-135m
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.training.train_profile --data data/sharegpt-7k \
+        --init drafters/smollm2-135m
 """
 import argparse
-import os
-import sys
 import tempfile
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
-import dflash_ext.__main__ as cli  # noqa: E402
+import dflash_ext.__main__ as cli
+from bench import _common
 
 
 def main(argv=None):

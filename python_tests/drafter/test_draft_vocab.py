@@ -11,7 +11,7 @@ from dflash_ext.checkpoint import DRAFT_VOCAB_NAME
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.proposer import DFlashProposer
-from decoding_helpers import tiny_target
+from python_tests.decoding_helpers import tiny_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]
 

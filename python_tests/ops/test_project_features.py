@@ -5,8 +5,9 @@ from hypothesis import given, settings, strategies as st
 
 import dflash_ext
 from dflash_ext import reference
+from dflash_ext.testing import make_project_inputs
 
-from helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_op, make_project_inputs
+from python_tests.helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_op
 
 
 def check_project(feats, fc_weight, norm_weight, eps):

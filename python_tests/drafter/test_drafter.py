@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from dflash_ext.config import DFlashConfig, default_target_layer_ids
 from dflash_ext.drafter import DFlashDrafter
-from decoding_helpers import tiny_target_config
+from python_tests.decoding_helpers import tiny_target_config
 
 
 def test_default_target_layers_match_the_reference_rule():

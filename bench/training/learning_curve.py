@@ -5,7 +5,7 @@ anchors, from the per-block correctness matrix; drafts are the argmax over the d
 vocabulary where the run has one, as at inference). A run continued from another's weights
 (``train --init``) is given as ``PATH+N``: its slot-tokens start at N, the first run's total.
 
-    .venv/bin/python bench/learning_curve.py data/train-b16/eval.jsonl data/train-b8/eval.jsonl+4169144 \
+    .venv/bin/python -m bench.training.learning_curve data/train-b16/eval.jsonl data/train-b8/eval.jsonl+4169144 \
         --png bench/results/learning_curve.png
 
 The logs of the shipped drafter's runs are kept in bench/results/training/<run>/eval.jsonl
@@ -15,10 +15,8 @@ tau and P(first 1 / 2 / 4 ok) only, as ``p1``, ``p2``, ``p4``).
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+from bench import _common
 
 
 def first_ok(row) -> dict:

@@ -4,7 +4,8 @@ import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
-from decoding_helpers import OracleProposer
+from python_tests.decoding_helpers import OracleProposer
+from python_tests.helpers import ROOT
 
 pytest.importorskip("transformers")
 
@@ -41,7 +42,7 @@ def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
     import os
 
     model, tok, prompts = smollm2
-    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m")
+    path = os.path.join(ROOT, "drafters", "smollm2-135m")
     assistant = DFlashDrafter.from_pretrained(path, dtype=torch.float32).as_assistant()
     for prompt in prompts:
         base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
@@ -57,7 +58,7 @@ def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2
     import os
 
     model, tok, prompts = smollm2
-    path = os.path.join(os.path.dirname(__file__), "..", "drafters", "smollm2-135m")
+    path = os.path.join(ROOT, "drafters", "smollm2-135m")
     drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32)
     assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 16384
     for prompt in prompts:
