@@ -498,7 +498,7 @@ def main(argv=None):
         print(f"# {args.dtype}: greedy outputs identical to the target alone: {overall['compared'] - mismatches}/"
               f"{overall['compared']}" + (f"; where they part, the first differing new token is at "
                                           f"{sorted(parts)} (of {args.max_new_tokens})" if parts else ""))
-        mismatches = 0  # low-precision rounding, not a bug (README: what lossless means in bf16)
+        mismatches = 0  # low-precision rounding, not a bug (docs/decoding.md: what lossless means in low precision)
     elif greedy:
         if mismatches:
             print("!" * 78)

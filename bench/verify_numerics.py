@@ -4,7 +4,7 @@ what would a verify that does cost?
 DFlash's verify runs the target over B tokens at once; one-token decoding (HF `generate`,
 the target alone) runs it over one. The two use other GEMM and attention shapes, so in
 low precision their logits can differ in the last bits and a near tie can go the other
-way (README, "what lossless means"). On real prompts (HumanEval and MT-Bench first turns,
+way (docs/decoding.md, "what lossless means in low precision"). On real prompts (HumanEval and MT-Bench first turns,
 greedy continuations of the target), this script measures
 
   1. how far the verify pass's logits are from one-token decoding's: bitwise equal rows,

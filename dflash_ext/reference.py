@@ -5,7 +5,7 @@ dtype; ``compute_dtype=x.dtype`` runs it in the input dtype instead, which is th
 
 The ``eager_*`` and ``sdpa_*`` functions at the end are the baselines a user would write
 instead of each fused op (batched plain PyTorch in the inputs' dtype, no fp32 upcast, no
-Python loop over tokens or layers): bench/bench_ops.py times the fused ops against them.
+Python loop over tokens or layers): bench.bench_ops times the fused ops against them.
 """
 import functools
 from typing import Optional, Sequence

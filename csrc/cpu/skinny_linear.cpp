@@ -1,6 +1,6 @@
 // CPU skinny_linear: F.linear for a few rows, the weight streamed once. A verify pass of
 // B <= 8 tokens runs every linear layer of the target on B rows, where the library GEMM
-// (MKL sgemm) costs about 2x its one-row GEMV on the CPUs measured (bench/RESULTS.md §1, §6):
+// (MKL sgemm) costs about 2x its one-row GEMV on the CPUs measured (bench/RESULTS.md §1; bench/results/history/notebook-2026.md §6):
 // here each thread owns a block of weight rows and takes the dot products of all input
 // rows with each weight row as it streams past, in fp32 (reduced dtypes converted on the
 // fly). Other shapes, and the rows gemm_path (isa.h) sends to oneDNN, go to at::linear.

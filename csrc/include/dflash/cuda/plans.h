@@ -1,5 +1,5 @@
 // Launch-plan rules of the CUDA kernels as pure host functions (no CUDA headers), so that
-// the CPU build links them too and python_tests/test_cuda_plans.py checks them on any
+// the CPU build links them too and python_tests/cuda/test_cuda_plans.py checks them on any
 // machine (through dflash_ext._C._cuda_plan). The per-architecture plan functions of the
 // op headers (<op>.cuh) call these with their own tile sizes and the occupancy they measured.
 #pragma once
