@@ -8,6 +8,7 @@ from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.proposer import DFlashProposer
 from dflash_ext.drafter import DFlashDrafter
 from python_tests.decoding_helpers import tiny_target
+from python_tests.target_families import FAMILIES, tiny_family_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]
 
@@ -33,6 +34,20 @@ def test_greedy_through_hf_generate_equals_the_target_and_spec_generate(target, 
             hf = hf_generate(target, assistant, prompt, n, do_sample=False)
             assert hf == target_generate(target, prompt, n).tokens
             assert hf == spec_generate(target, drafter, prompt, n).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_through_hf_generate_is_lossless(family):
+    """The drafter from_target makes runs in transformers' DFlash loop on every family a
+    published drafter serves (hybrid, sliding-window, MoE, MLA targets) and leaves the
+    target's greedy output unchanged."""
+    target = tiny_family_target(family)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
+    assistant = drafter.as_assistant(target)
+    prompt = PROMPTS[1]  # longer than the tiny targets' sliding window
+    alone = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert hf_generate(target, assistant, prompt, 16, do_sample=False) == alone[0, len(prompt):].tolist()
+    assert assistant.calls > 0
 
 
 def test_hf_path_drafts_the_blocks_spec_generate_drafts(target, monkeypatch):
