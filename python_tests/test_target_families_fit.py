@@ -14,21 +14,7 @@ from dflash_ext.proposer import DFlashProposer, block_embedding
 from dflash_ext.target import TargetRunner
 from dflash_ext.training.data import target_features
 from dflash_ext.training.trainer import FrozenTargetParts
-from python_tests.target_families import FAMILIES, target_config, tiny_family_target
-
-
-def _composite(family):
-    """The multimodal config a checkpoint of `family` ships (text config inside), or None."""
-    import transformers as tf
-
-    text = target_config(family).to_dict()
-    if family == "gemma4":
-        return tf.Gemma4Config(text_config=text, vision_config=None, audio_config=None)
-    if family in ("qwen3_5", "qwen3_5_moe"):
-        cls = tf.Qwen3_5Config if family == "qwen3_5" else tf.Qwen3_5MoeConfig
-        return cls(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
-                                                        out_hidden_size=text["hidden_size"]))
-    return None
+from python_tests.target_families import COMPOSITE, FAMILIES, composite_config, target_config, tiny_family_target
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,14 +37,14 @@ def test_from_target_config_fits_each_family(family):
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2 if family != "deepseek_v3" else 4, 16)
     assert (c.hidden_size, c.vocab_size, c.num_target_layers) == (config.hidden_size, config.vocab_size,
                                                                  config.num_hidden_layers)
-    composite = _composite(family)
-    if composite is not None:  # a composite config gives the drafter of its text config
+    if family in COMPOSITE:  # a composite config gives the drafter of its text config
+        composite = composite_config(family)
         assert DFlashConfig.for_target(composite, num_layers=2, block_size=4) == c
         DFlashDrafter(c).check_fits(composite)
 
 
 def test_check_fits_reads_the_text_config_of_a_composite_config():
-    composite = _composite("gemma4")
+    composite = composite_config("gemma4")
     other = DFlashDrafter.from_target(target_config("gemma4", num_hidden_layers=2), num_layers=1, block_size=4)
     other.config.hidden_size = 96
     with pytest.raises(ValueError, match="hidden size 96 != target's 64"):
@@ -90,12 +76,13 @@ def test_published_drafter_shapes():
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (32, 8, 128, 12288)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("gemma4-composite",))
 def test_features_are_the_decoder_layer_outputs(family):
-    """HF hidden_states[l + 1] is decoder layer l's output for every family (the last entry
-    is final-normed: the default layers stop at L - 3), and the loop (TargetRunner, which
-    selects the layers) and training (target_features, the decoder alone) read the same."""
-    target = tiny_family_target(family)
+    """HF hidden_states[l + 1] is decoder layer l's output for every family, composite
+    models included (the last entry is final-normed: the default layers stop at L - 3), and
+    the loop (TargetRunner, which selects the layers) and training (target_features, the
+    decoder alone) read the same."""
+    target = tiny_family_target(family.split("-")[0], composite=family.endswith("-composite"))
     layers = target.get_decoder().layers
     L = len(layers)
     assert L == target_text_config(target.config).num_hidden_layers

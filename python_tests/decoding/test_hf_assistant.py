@@ -36,12 +36,12 @@ def test_greedy_through_hf_generate_equals_the_target_and_spec_generate(target, 
             assert hf == spec_generate(target, drafter, prompt, n).tokens
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("gemma4-composite",))
 def test_every_family_through_hf_generate_is_lossless(family):
     """The drafter from_target makes runs in transformers' DFlash loop on every family a
-    published drafter serves (hybrid, sliding-window, MoE, MLA targets) and leaves the
-    target's greedy output unchanged."""
-    target = tiny_family_target(family)
+    published drafter serves (hybrid, sliding-window, MoE, MLA targets; Gemma 4 also as
+    the multimodal model its checkpoints load as) and leaves the target's greedy output unchanged."""
+    target = tiny_family_target(family.split("-")[0], composite=family.endswith("-composite"))
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
     assistant = drafter.as_assistant(target)
     prompt = PROMPTS[1]  # longer than the tiny targets' sliding window
