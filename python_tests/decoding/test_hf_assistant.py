@@ -50,6 +50,36 @@ def test_every_family_through_hf_generate_is_lossless(family):
     assert assistant.calls > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_accepted_drafts_through_hf_generate_stay_lossless(family, monkeypatch):
+    """Drafts that are accepted (whole blocks and prefixes) on a hybrid and a sliding-window
+    target: the drafter runs as always (its context cache takes every accepted row), then its
+    hidden states are replaced by ones the LM head reads as the target's own continuation,
+    one slot wrong every third round."""
+    target = tiny_family_target(family)
+    prompt = PROMPTS[1]
+    alone = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    cont = alone[0, len(prompt):].tolist() + [0] * 8
+    head = target.get_output_embeddings().weight
+    assistant = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4).as_assistant(target)
+    real_call = type(assistant).__call__
+
+    def oracle(self, noise_embeds, context_hidden_states, position_ids, **kw):
+        out = real_call(self, noise_embeds, context_hidden_states, position_ids, **kw)
+        start = int(position_ids[0, context_hidden_states.shape[1]]) + 1 - len(prompt)  # slot 1's token
+        tokens = cont[start:start + out.last_hidden_state.shape[1] - 1]
+        if self.calls % 3 == 0:
+            tokens[1] = (tokens[1] + 1) % head.shape[0]
+        wanted = head[tokens].detach()  # a row is read as its own token (checked below)
+        assert head.mm(wanted.T).argmax(0).tolist() == tokens
+        out.last_hidden_state = torch.cat([out.last_hidden_state[:, :1], wanted[None]], 1)
+        return out
+
+    monkeypatch.setattr(type(assistant), "__call__", oracle)
+    assert hf_generate(target, assistant, prompt, 24, do_sample=False) == alone[0, len(prompt):].tolist()
+    assert max(assistant.acceptance_lengths) == 4 and 2 in assistant.acceptance_lengths
+
+
 def test_hf_path_drafts_the_blocks_spec_generate_drafts(target, monkeypatch):
     """Same drafter, same context: the two loops propose identical blocks, step by step."""
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, seed=3)
