@@ -18,9 +18,11 @@ from python_tests.target_families import COMPOSITE, FAMILIES, composite_config, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_from_target_config_fits_each_family(family):
+def test_from_target_config_fits_each_family(family, tmp_path):
     config = target_config(family)
     c = DFlashConfig.for_target(config, num_layers=2, block_size=4)
+    DFlashDrafter(c).save_pretrained(str(tmp_path))  # the reference format holds it
+    assert DFlashDrafter.from_pretrained(str(tmp_path)).config == c
     rope = c.rope_parameters
     # full rotary whatever the target's partial rotary; Qwen3 text rope fields only
     assert not {"partial_rotary_factor", "mrope_section", "mrope_interleaved"} & set(rope)
