@@ -32,7 +32,7 @@ SLIDING = ("gpt_oss", "gemma4")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 FAMILIES = CROPPABLE + SLIDING + HYBRID
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+_SHARED = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
 # The hybrids: small Gated DeltaNet heads and a full-attention layer among linear ones.
 _LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -41,21 +41,23 @@ _HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "ful
 _SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-def target_config(family: str, num_hidden_layers: int = None):
+def target_config(family: str, num_hidden_layers: int = None, vocab_size: int = VOCAB):
     """The tiny config of one family (see the module table)."""
     import transformers as tf
 
+    common = dict(_SHARED, vocab_size=vocab_size)
+
     if family == "llama":
-        return tf.LlamaConfig(**_COMMON, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
+        return tf.LlamaConfig(**common, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
                               head_dim=16)
     if family == "qwen3":
-        return tf.Qwen3Config(**_COMMON, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
+        return tf.Qwen3Config(**common, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
                               head_dim=16)
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**_COMMON, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
+        return tf.Qwen3MoeConfig(**common, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
                                  head_dim=16, **_SMALL_MOE)
     if family == "deepseek_v3":
-        mla = dict(_COMMON, num_key_value_heads=4)  # MLA: one K/V head per query head
+        mla = dict(common, num_key_value_heads=4)  # MLA: one K/V head per query head
         return tf.DeepseekV3Config(**mla, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
                                    moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
                                    n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
@@ -63,7 +65,7 @@ def target_config(family: str, num_hidden_layers: int = None):
                                    v_head_dim=16)
     if family == "gpt_oss":
         n = num_hidden_layers or 4
-        return tf.GptOssConfig(**_COMMON, intermediate_size=64, num_hidden_layers=n, head_dim=16,
+        return tf.GptOssConfig(**common, intermediate_size=64, num_hidden_layers=n, head_dim=16,
                                num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
                                                     beta_slow=1.0, truncate=False,
@@ -72,9 +74,9 @@ def target_config(family: str, num_hidden_layers: int = None):
                                             for i in range(n)])
     if family == "gemma4":
         n = num_hidden_layers or 4
-        return tf.Gemma4TextConfig(**_COMMON, intermediate_size=128, num_hidden_layers=n, head_dim=16,
+        return tf.Gemma4TextConfig(**common, intermediate_size=128, num_hidden_layers=n, head_dim=16,
                                    global_head_dim=32, sliding_window=SLIDING_WINDOW,
-                                   vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                                   vocab_size_per_layer_input=vocab_size, hidden_size_per_layer_input=8,
                                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                                 for i in range(n)])
     if family in HYBRID:
@@ -85,19 +87,20 @@ def target_config(family: str, num_hidden_layers: int = None):
             dict(_SMALL_MOE, shared_expert_intermediate_size=32)
         if family == "qwen3_next":
             extra["intermediate_size"] = 128
-        return cls(**_COMMON, num_hidden_layers=len(layers), head_dim=16, layer_types=list(layers),
+        return cls(**common, num_hidden_layers=len(layers), head_dim=16, layer_types=list(layers),
                    **_LINEAR, **extra)
     raise ValueError(f"no tiny config for family {family!r}; known: {', '.join(FAMILIES)}")
 
 
-def tiny_family_target(family: str, seed: int = 0, num_hidden_layers: int = None, sharpen: float = 20.0):
+def tiny_family_target(family: str, seed: int = 0, num_hidden_layers: int = None, vocab_size: int = VOCAB,
+                       sharpen: float = 20.0):
     """A ready causal LM of `family` (random weights, fp32, eval mode). `sharpen` scales the
     LM head: sharper logits than the default init, so that greedy decoding does not hinge on
     near ties that differ between a one-token pass and a block pass."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(target_config(family, num_hidden_layers), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(target_config(family, num_hidden_layers, vocab_size), dtype=torch.float32)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     return model.eval()
