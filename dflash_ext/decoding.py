@@ -20,7 +20,7 @@ from torch import nn
 
 from .drafter import DFlashDrafter
 from .proposer import DFlashProposer
-from .target import TargetRunner, crop_cache, streamed_linears
+from .target import CacheRollback, TargetRunner, streamed_linears
 
 __all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "GenerationResult",
            "sample_token", "check_sampling", "choose_block_size", "BlockSizeChoice"]
@@ -127,12 +127,13 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
         runner = TargetRunner(target, drafter.config.target_layer_ids)
         ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=runner.device)
         _, feats, cache = runner(ids, None)
+        rollback = CacheRollback(cache, max(sizes))
         proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
         proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=runner.device))
 
-        def verify(n):
-            runner(ids[:, :n], cache, hidden_states=n > 1)
-            crop_cache(cache, ids.shape[1])
+        def verify(n):  # a pass over n tokens that are all rejected: the rollback is part of the step
+            runner(ids[:, :n], cache, hidden_states=n > 1, rollback=rollback)
+            rollback(n)
 
         expected, seconds, speed = {}, {}, {}
         for b in sizes:
@@ -158,9 +159,10 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 
 @dataclass
 class DecodeState:
-    """Where one sequence stands: the target's KV cache, the newest token (not yet seen by
-    the target) and its position."""
+    """Where one sequence stands: the target's cache and how it rolls back (chosen once for
+    it, after the prefill), the newest token (not yet seen by the target) and its position."""
     cache: object
+    rollback: CacheRollback
     last: int
     pos: int
 
@@ -178,7 +180,7 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
         if verify_size > 1 else torch.empty(0, dtype=torch.long, device=runner.device)
     clock("draft")
     block = torch.cat([torch.tensor([state.last], device=runner.device), draft])[None]
-    logits, hidden, state.cache = runner(block, state.cache)
+    logits, hidden, state.cache = runner(block, state.cache, rollback=state.rollback)
     clock("verify")
     target_tokens = sample_token(logits[0], **sampling).tolist()
     drafts = draft.tolist()
@@ -186,7 +188,7 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
     while a < len(drafts) and drafts[a] == target_tokens[a]:
         a += 1
     new = target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
-    crop_cache(state.cache, state.pos + a + 1)
+    state.rollback(block.shape[1] - (a + 1))
     clock("other")
     if verify_size > 1:  # verify_size 1 is block size 1: the target alone, nothing drafts later
         proposer.accept(hidden, slice(0, a + 1), torch.arange(state.pos, state.pos + a + 1, device=block.device))
@@ -291,7 +293,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         clock = _PhaseClock(device)
         logits, hidden, cache = runner(ids, None, last_logits_only=True)
         clock("verify")
-        state = DecodeState(cache, int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
+        state = DecodeState(cache, CacheRollback(cache, B), int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
         res.time_to_first_token = time.perf_counter() - start
         done = emit([state.last])
         if not done and B > 1:

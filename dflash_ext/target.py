@@ -2,7 +2,9 @@
 
 - :class:`TargetRunner`: one forward as the loop calls it (the cache argument's name,
   last-position logits for a prefill, only the hidden states the drafter reads);
-- :func:`crop_cache`: roll the target's KV cache back after a rejection;
+- :class:`CacheRollback`: roll the target's cache back after a rejection, for every cache
+  layer kind transformers has (full, sliding/chunked window, linear-attention conv and
+  recurrent states, their mixes); :func:`crop_cache` for caches that crop;
 - :func:`streamed_linears` / :func:`linear_rows`: the target's (and the drafter's) linear
   layers on few rows through ``ops.skinny_linear`` (the verify pass, the draft block).
 """
@@ -18,7 +20,8 @@ from torch import nn
 from . import ops
 from .hardware import skinny_linear_streams
 
-__all__ = ["TargetRunner", "crop_cache", "cache_kwarg", "returned_cache", "linear_rows", "streamed_linears"]
+__all__ = ["TargetRunner", "CacheRollback", "crop_cache", "cache_kwarg", "returned_cache", "linear_rows",
+           "streamed_linears"]
 
 
 def cache_kwarg(model) -> str:
@@ -49,12 +52,14 @@ class TargetRunner:
         self.needed = [l + 1 for l in layer_ids] if layer_ids else []
         self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
 
-    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False):
+    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False,
+                 rollback: Optional["CacheRollback"] = None):
         """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n];
         `last_logits_only`: logits [1, 1, V] of the last position only (a prefill needs no
-        more; as in `generate`, which also rounds them the same way then)."""
+        more; as in `generate`, which also rounds them the same way then). `rollback`: the
+        cache's :class:`CacheRollback` (a pass redone must be undone first; without one the
+        cache must crop)."""
         want = self.select if hidden_states else False
-        before = cache.get_seq_length() if cache is not None else 0
         keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
         out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
         hs = out.hidden_states
@@ -62,8 +67,8 @@ class TargetRunner:
                                                       for i in self.needed):
             self.select = True  # this model cannot select: ask for all from now on, and redo this pass
             if cache is not None:
-                crop_cache(cache, before)
-            return self(ids, cache, hidden_states, last_logits_only)
+                rollback(ids.shape[1]) if rollback is not None else _drop_tail(cache, ids.shape[1])
+            return self(ids, cache, hidden_states, last_logits_only, rollback)
         return out.logits, hs, returned_cache(out)
 
 
@@ -79,11 +84,79 @@ _CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
 
 
 def crop_cache(cache, keep: int) -> None:
-    """Roll a Hugging Face cache back to its first `keep` tokens (transformers 5.x takes
-    the negative number of tokens to drop)."""
-    drop = cache.get_seq_length() - keep
+    """Roll a Hugging Face cache whose layers all crop (see :class:`CacheRollback`) back to
+    its first `keep` tokens (transformers 5.x takes the negative number of tokens to drop)."""
+    _drop_tail(cache, cache.get_seq_length() - keep)
+
+
+def _drop_tail(cache, drop: int) -> None:
     if drop > 0:
         cache.crop(-drop)
+
+
+def _cache_layer_kinds():
+    """(layers a crop restores exactly, layers that keep a bounded state, `Cache.crop`) of
+    the installed transformers."""
+    from transformers import cache_utils as cu
+
+    names = lambda *n: tuple(getattr(cu, x) for x in n if hasattr(cu, x))
+    # Every token's K/V is kept (DSA adds an indexer key per token; a KV-shared layer keeps nothing).
+    keeps_every_token = names("DynamicLayer", "DynamicIndexedLayer", "DummyLayer")
+    # A window of K/V, or a conv + recurrent state: what was dropped or folded in cannot be
+    # recovered by a crop, only recorded beforehand (transformers' `activate_past_recording`).
+    bounded = names("DynamicSlidingWindowLayer", "LinearAttentionLayer",
+                    "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
+    return keeps_every_token, bounded, cu.Cache.crop
+
+
+class CacheRollback:
+    """Rolls one target cache back by the rejected tokens of each verify pass. The mechanism
+    is chosen once per cache, after the prefill, from its layer kinds:
+
+    - every layer keeps every token (full attention, DSA, KV-shared placeholders): a plain
+      `crop` of the rejected tail; nothing recorded, nothing done on a full accept. Zero cost.
+    - some layer keeps a bounded state (a sliding or chunked window, a linear-attention conv
+      and recurrent state, alone or mixed with attention): transformers' own past recording,
+      as its assisted and DFlash loops use it. During a pass of up to `max_tokens` tokens the
+      window layers keep the extra tokens, the conv states their inputs, and the linear layers
+      compute the recurrent state after each token (sequentially, instead of chunked: the cost);
+      every step then crops, by 0 tokens too, which trims them back to their working size.
+
+    A cache layer of another kind (static, quantized, a model's own class) or a cache that
+    overrides `crop` (e.g. MiniMaxCache) is an error naming it, before any decoding."""
+
+    def __init__(self, cache, max_tokens: int):
+        self.cache, self.max_tokens = cache, max_tokens
+        layers = getattr(cache, "layers", None)
+        if layers is None:  # transformers 4.x: a DynamicCache of full-attention layers
+            self.records = False
+            return
+        keeps_every_token, bounded, base_crop = _cache_layer_kinds()
+        if type(cache).crop is not base_crop:
+            raise NotImplementedError(
+                f"cannot roll back a {type(cache).__name__}: it overrides `crop` (a cache of its own that "
+                "transformers cannot roll back, e.g. MiniMax's lightning-attention cache)")
+        kinds = [type(layer) for layer in layers]
+        unknown = sorted({k.__name__ for k in kinds if k not in keeps_every_token + bounded})
+        if unknown:
+            raise NotImplementedError(
+                f"cannot roll back the target's cache: layer kind(s) {', '.join(unknown)} "
+                f"(supported: {', '.join(k.__name__ for k in keeps_every_token + bounded)})")
+        self.records = any(k in bounded for k in kinds)
+        if self.records:
+            cache.activate_past_recording(recurrent_states_to_keep=max_tokens)
+            for layer in layers:  # transformers' activation shares one history list among a layer's states
+                if hasattr(layer, "recurrent_states_history"):
+                    layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+
+    def __call__(self, drop: int) -> None:
+        """Undo the last `drop` tokens of the last pass (0: all were accepted)."""
+        if not self.records:
+            _drop_tail(self.cache, drop)
+            return
+        if drop > self.max_tokens:
+            raise ValueError(f"cannot roll back {drop} tokens: the cache records the last {self.max_tokens}")
+        self.cache.crop(-drop)
 
 
 def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

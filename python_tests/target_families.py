@@ -1,5 +1,6 @@
 """Tiny random targets of every model family a published DFlash drafter serves, as
-transformers 5.x implements them: fp32, seeded, hidden 64, a few layers, a small vocab.
+transformers 5.x implements them: fp32, seeded, hidden 64, 4 layers, a vocab of 256
+(bench.rollback builds larger ones of the same families).
 
 Sliding windows are small (`SLIDING_WINDOW` tokens) so that a short generation runs past
 them, and the hybrids mix linear-attention and full-attention layers. What each family puts
@@ -17,7 +18,8 @@ in its cache (the layer kinds a rollback must handle), as transformers 5.25 buil
 | qwen3_5      | Qwen3_5ForCausalLM (text)| linear attention (conv + recurrent state) + full         |
 | qwen3_5_moe  | Qwen3_5MoeForCausalLM    | linear attention (conv + recurrent state) + full         |
 
-Composite configs (qwen3_5, gemma4 and their vision/audio parts) are built from their text
+(In transformers' DynamicCache: full = DynamicLayer, sliding window = DynamicSlidingWindowLayer,
+linear attention = LinearAttentionLayer.) Composite configs (qwen3_5, gemma4 and their vision/audio parts) are built from their text
 config, whose causal-LM class is the text-only model a drafter's target runs as.
 """
 import torch
@@ -32,61 +34,57 @@ SLIDING = ("gpt_oss", "gemma4")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 FAMILIES = CROPPABLE + SLIDING + HYBRID
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
-# The hybrids: small Gated DeltaNet heads and a full-attention layer among linear ones.
-_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-               linear_num_key_heads=2, linear_num_value_heads=4)
-_HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-_SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2)
 
 
-def target_config(family: str, num_hidden_layers: int = None):
-    """The tiny config of one family (see the module table)."""
+def target_config(family: str, num_hidden_layers: int = None, vocab_size: int = VOCAB, hidden_size: int = HIDDEN,
+                  sliding_window: int = SLIDING_WINDOW, full_attention_interval: int = 2,
+                  max_position_embeddings: int = 512):
+    """The config of one family (see the module table): tiny by default; every width follows
+    `hidden_size` (4 query heads of hidden/4, 2 K/V heads; the benchmarks scale it up).
+    Sliding families alternate sliding and full layers; the hybrids put a full-attention layer
+    every `full_attention_interval` layers (Qwen3.5 and Qwen3-Next: 4), the rest Gated DeltaNet."""
     import transformers as tf
 
+    n = num_hidden_layers or 4
+    d = hidden_size // 4  # head width
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=n, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
+    moe = dict(_SMALL_MOE, moe_intermediate_size=hidden_size // 2)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     if family == "llama":
-        return tf.LlamaConfig(**_COMMON, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
-                              head_dim=16)
+        return tf.LlamaConfig(**common, intermediate_size=2 * hidden_size, head_dim=d)
     if family == "qwen3":
-        return tf.Qwen3Config(**_COMMON, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
-                              head_dim=16)
+        return tf.Qwen3Config(**common, intermediate_size=2 * hidden_size, head_dim=d)
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**_COMMON, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
-                                 head_dim=16, **_SMALL_MOE)
+        return tf.Qwen3MoeConfig(**common, intermediate_size=2 * hidden_size, head_dim=d, **moe)
     if family == "deepseek_v3":
-        mla = dict(_COMMON, num_key_value_heads=4)  # MLA: one K/V head per query head
-        return tf.DeepseekV3Config(**mla, intermediate_size=128, num_hidden_layers=num_hidden_layers or 4,
-                                   moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                                   n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-                                   kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                   v_head_dim=16)
+        mla = dict(common, num_key_value_heads=4)  # MLA: one K/V head per query head
+        return tf.DeepseekV3Config(**mla, intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 2,
+                                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                                   topk_group=1, first_k_dense_replace=1, kv_lora_rank=hidden_size // 2,
+                                   q_lora_rank=hidden_size // 2, qk_rope_head_dim=d // 2, qk_nope_head_dim=d,
+                                   v_head_dim=d)
     if family == "gpt_oss":
-        n = num_hidden_layers or 4
-        return tf.GptOssConfig(**_COMMON, intermediate_size=64, num_hidden_layers=n, head_dim=16,
-                               num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
+        return tf.GptOssConfig(**common, intermediate_size=hidden_size, head_dim=d, num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=sliding_window, layer_types=alternating,
                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
                                                     beta_slow=1.0, truncate=False,
-                                                    original_max_position_embeddings=64),
-                               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                                            for i in range(n)])
+                                                    original_max_position_embeddings=max_position_embeddings // 8))
     if family == "gemma4":
-        n = num_hidden_layers or 4
-        return tf.Gemma4TextConfig(**_COMMON, intermediate_size=128, num_hidden_layers=n, head_dim=16,
-                                   global_head_dim=32, sliding_window=SLIDING_WINDOW,
-                                   vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-                                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                                                for i in range(n)])
+        return tf.Gemma4TextConfig(**common, intermediate_size=2 * hidden_size, head_dim=d, global_head_dim=2 * d,
+                                   sliding_window=sliding_window, vocab_size_per_layer_input=vocab_size,
+                                   hidden_size_per_layer_input=d // 2, layer_types=alternating)
     if family in HYBRID:
-        layers = _HYBRID_LAYERS[:num_hidden_layers] if num_hidden_layers else _HYBRID_LAYERS
         cls = {"qwen3_next": tf.Qwen3NextConfig, "qwen3_5": tf.Qwen3_5TextConfig,
                "qwen3_5_moe": tf.Qwen3_5MoeTextConfig}[family]
-        extra = dict(intermediate_size=128) if family == "qwen3_5" else \
-            dict(_SMALL_MOE, shared_expert_intermediate_size=32)
-        if family == "qwen3_next":
-            extra["intermediate_size"] = 128
-        return cls(**_COMMON, num_hidden_layers=len(layers), head_dim=16, layer_types=list(layers),
-                   **_LINEAR, **extra)
+        extra = dict(moe, shared_expert_intermediate_size=hidden_size // 2) if family != "qwen3_5" else {}
+        if family != "qwen3_5_moe":
+            extra["intermediate_size"] = 2 * hidden_size
+        layers = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(n)]
+        return cls(**common, head_dim=d, layer_types=layers, linear_conv_kernel_dim=4, linear_key_head_dim=d,
+                   linear_value_head_dim=d, linear_num_key_heads=2, linear_num_value_heads=4, **extra)
     raise ValueError(f"no tiny config for family {family!r}; known: {', '.join(FAMILIES)}")
 
 
@@ -94,13 +92,13 @@ def target_config(family: str, num_hidden_layers: int = None):
 COMPOSITE = ("gemma4", "qwen3_5", "qwen3_5_moe")
 
 
-def composite_config(family: str, num_hidden_layers: int = None):
-    """The composite config a checkpoint of `family` ships, around its tiny text config (see
-    COMPOSITE): AutoModelForCausalLM builds Gemma4ForConditionalGeneration from it (a
-    target whose own config has no text fields), the Qwen3.5 text model from Qwen3.5's."""
+def composite_config(family: str, **config):
+    """The composite config a checkpoint of `family` ships, around ``target_config(family,
+    **config)`` (see COMPOSITE): AutoModelForCausalLM builds Gemma4ForConditionalGeneration
+    from it (a target whose own config has no text fields), the Qwen3.5 text model from Qwen3.5's."""
     import transformers as tf
 
-    text = target_config(family, num_hidden_layers).to_dict()
+    text = target_config(family, **config).to_dict()
     if family == "gemma4":
         return tf.Gemma4Config(text_config=text, vision_config=None, audio_config=None)
     if family in ("qwen3_5", "qwen3_5_moe"):
@@ -110,17 +108,17 @@ def composite_config(family: str, num_hidden_layers: int = None):
     raise ValueError(f"family {family!r} has no composite config; those that do: {', '.join(COMPOSITE)}")
 
 
-def tiny_family_target(family: str, seed: int = 0, num_hidden_layers: int = None, sharpen: float = 20.0,
-                       composite: bool = False):
-    """A ready causal LM of `family` (random weights, fp32, eval mode). `sharpen` scales the
-    LM head: sharper logits than the default init, so that greedy decoding does not hinge on
-    near ties that differ between a one-token pass and a block pass. `composite`: built from
-    :func:`composite_config`."""
+def tiny_family_target(family: str, seed: int = 0, sharpen: float = 20.0, dtype=torch.float32, composite: bool = False,
+                       **config):
+    """A ready causal LM of `family` (random weights, eval mode) of ``target_config(family,
+    **config)`` (`composite`: of :func:`composite_config`). `sharpen` scales the LM head:
+    sharper logits than the default init, so that greedy decoding does not hinge on near ties
+    that differ between a one-token pass and a block pass."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = (composite_config if composite else target_config)(family, num_hidden_layers)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config((composite_config if composite else target_config)(family, **config),
+                                             dtype=dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     return model.eval()
