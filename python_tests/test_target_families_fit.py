@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_ext.config import DFlashConfig, target_text_config
+from dflash_ext.decoding import choose_block_size, spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.proposer import DFlashProposer, block_embedding
 from dflash_ext.target import TargetRunner
@@ -102,6 +103,18 @@ def test_features_are_the_decoder_layer_outputs(family):
         assert torch.equal(hs[l + 1], outs[l]), l
     feats = target_features(target, ids, ids_layers)
     assert torch.equal(feats, torch.cat([outs[l][0] for l in ids_layers], -1))
+
+
+def test_a_composite_target_runs_through_spec_generate_and_choose_block_size():
+    """Gemma4ForConditionalGeneration (its config has no text fields of its own): the loop,
+    the block-size choice (which times verify passes) and the proposer all see through it."""
+    target = tiny_family_target("gemma4", composite=True, num_hidden_layers=2)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    drafter.acceptance_profile = [0.9, 0.8, 0.7]
+    choice = choose_block_size(target, drafter, context_len=8, candidates=(1, 4), stream_linears=False)
+    assert set(choice.tokens_per_second) == {1, 4}
+    prompt = list(range(40, 52))
+    assert spec_generate(target, drafter, prompt, 10, block_size=4).tokens == target_generate(target, prompt, 10).tokens
 
 
 class _NormedEmbedding(torch.nn.Embedding):
