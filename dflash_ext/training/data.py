@@ -84,7 +84,9 @@ def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
             break
         if len(alive) < len(rows):
             keep = torch.tensor(alive)
-            cache.batch_select_indices(keep)
+            # beam search's batch index_select: every cache layer kind has it, the linear-attention
+            # states of hybrid targets included (batch_select_indices is missing there)
+            cache.reorder_cache(keep)
             rows, mask, pos, nxt = [rows[k] for k in alive], mask[keep], pos[keep], nxt[keep]
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
         step = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
