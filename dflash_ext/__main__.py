@@ -129,7 +129,7 @@ def cmd_generate(args):
 
 
 def cmd_gen_data(args):
-    from .config import default_target_layer_ids
+    from .config import default_target_layer_ids, target_text_config
     from .hardware import cpu_description
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts
@@ -138,7 +138,8 @@ def cmd_gen_data(args):
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
-    layer_ids = args.layer_ids or default_target_layer_ids(model.config.num_hidden_layers, args.num_features)
+    layer_ids = args.layer_ids or default_target_layer_ids(target_text_config(model.config).num_hidden_layers,
+                                                           args.num_features)
     prompts = training_prompts(args.prompts)[args.offset:args.offset + args.n]
     id_base = TRAINING_SOURCES[args.prompts][1] + args.offset
     before = len(load_records(args.out)) if os.path.isdir(args.out) else 0

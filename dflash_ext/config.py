@@ -3,10 +3,12 @@ reference format (z-lab/dflash ``DFlashDraftModel``: a Qwen3 config plus ``block
 ``num_target_layers`` and ``dflash_config``) means here, and which fields are rejected
 because they change the drafted function in some implementation and are not implemented.
 """
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-__all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "SUPPORTED_ROPE_TYPES"]
+__all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "target_text_config",
+           "SUPPORTED_ROPE_TYPES"]
 
 
 def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
@@ -193,30 +195,66 @@ class DFlashConfig:
     def for_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: Optional[int] = None, target_layer_ids: Optional[Sequence[int]] = None,
                    tokenizer=None, **overrides) -> "DFlashConfig":
-        """The config of a fresh drafter that fits a Hugging Face target config
-        (`tokenizer`, when given, picks the mask token: :func:`default_mask_token_id`);
-        `overrides` set any other field."""
-        L = target_config.num_hidden_layers
-        heads = target_config.num_attention_heads
+        """The config of a fresh drafter that fits a Hugging Face target config, shaped as the
+        authors' drafters are: Qwen3 layers of the target's width over its text config (the
+        decoder of a composite model), full rotary at the target's rope theta and scaling
+        (:func:`_target_rope`), attention heads by :func:`_drafter_heads`. `tokenizer`, when
+        given, picks the mask token (:func:`default_mask_token_id`); `overrides` set any other field."""
+        t = target_text_config(target_config)
+        L = t.num_hidden_layers
+        heads, kv_heads, head_dim = _drafter_heads(t)
         config = cls(
-            hidden_size=target_config.hidden_size, num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-            intermediate_size=target_config.intermediate_size, vocab_size=target_config.vocab_size,
-            num_target_layers=L,
+            hidden_size=t.hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            # MoE configs without a dense MLP size (qwen3_5_moe): Qwen3's 3x
+            intermediate_size=getattr(t, "intermediate_size", None) or 3 * t.hidden_size,
+            vocab_size=t.vocab_size, num_target_layers=L,
             target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
             else default_target_layer_ids(L, num_layers),
-            mask_token_id=default_mask_token_id(target_config.vocab_size, tokenizer) if mask_token_id is None
+            mask_token_id=default_mask_token_id(t.vocab_size, tokenizer) if mask_token_id is None
             else mask_token_id,
-            block_size=block_size, rms_norm_eps=target_config.rms_norm_eps,
-            rope_parameters=_target_rope(target_config),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
+            block_size=block_size, rms_norm_eps=getattr(t, "rms_norm_eps", None) or 1e-6,
+            rope_parameters=_target_rope(t),
+            max_position_embeddings=getattr(t, "max_position_embeddings", None) or 40960,
         )
         for k, v in overrides.items():
             setattr(config, k, v)
         config.__post_init__()
         return config
+
+
+def target_text_config(config):
+    """The text (decoder) config of a Hugging Face model config: the config itself, or the
+    text part of a composite one (Gemma 4, Qwen3.5 with vision), where the layers, widths
+    and vocabulary a drafter must fit live."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+# The published drafters' attention head size and KV head count: Qwen3-4B/8B and Llama-3.1-8B
+# (heads of 128, 8 KV heads, as their targets), Qwen3.5-9B (32 heads of 128 over a target of
+# 16 of 256), gemma-4-31B-it (64 heads of 128, 8 KV heads, over 32 of 256 and 16 KV heads).
+DRAFT_MAX_HEAD_DIM = 128
+DRAFT_MAX_KV_HEADS = 8
+
+
+def _drafter_heads(t):
+    """(heads, KV heads, head dim) of a drafter for the text config `t`: the target's head
+    size capped at :data:`DRAFT_MAX_HEAD_DIM`, as many heads as keep the target's query
+    width, and the target's KV width in heads of that size, at most :data:`DRAFT_MAX_KV_HEADS`.
+    Per-layer configs (Gemma 4's global layers are wider) give the first layer's attention;
+    multi-head latent attention (DeepSeek-V3) its value head size (its `head_dim` is the
+    rotary part of the keys only)."""
+    layer = t.per_layer_config[0] if getattr(t, "is_heterogeneous", False) else t
+    heads = layer.num_attention_heads
+    kv = getattr(layer, "num_key_value_heads", None) or heads
+    if getattr(layer, "kv_lora_rank", None):
+        D = layer.v_head_dim
+    else:
+        D = getattr(layer, "head_dim", None) or t.hidden_size // heads
+    d = min(D, DRAFT_MAX_HEAD_DIM)
+    q_heads = heads * D // d
+    return q_heads, math.gcd(q_heads, min(kv * D // d, DRAFT_MAX_KV_HEADS)), d
 
 
 def _reject_unsupported(d: dict, dflash: dict) -> None:
@@ -239,15 +277,34 @@ def _reject_unsupported(d: dict, dflash: dict) -> None:
                          + " (README, 'Checkpoints': what is supported)")
 
 
-def _target_rope(config) -> Optional[dict]:
-    """The target's rope as a rope_parameters dict (transformers 5.x keeps it standardised;
-    4.x configs have rope_scaling + rope_theta)."""
+# Rope fields of a target that a Qwen3 text drafter does not have: partial rotation
+# (Qwen3.5, Qwen3-Next, Gemma 4's global layers) and the multimodal sections (Qwen3.5's mrope).
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _target_rope(config) -> dict:
+    """The rope of a drafter for the text config `config`: the target's theta and scaling as
+    a rope_parameters dict, rotating the whole head (the authors' drafters are Qwen3 layers
+    with full rotary whatever the target's partial rotary). Rope per layer type (Gemma 4)
+    gives the full-attention layers' (gemma-4-31B-it-DFlash has their theta, 1e6);
+    "proportional" rope without partial rotation is the default (or linear, with a factor).
+    transformers 5.x keeps rope standardised; 4.x configs have rope_scaling + rope_theta."""
     params = getattr(config, "rope_parameters", None)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention") or next(iter(params.values()))
     if params:
-        return dict(params)
-    params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
-    if getattr(config, "rope_theta", None) is not None:
-        params["rope_theta"] = config.rope_theta
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
+        if getattr(config, "rope_theta", None) is not None:
+            params["rope_theta"] = config.rope_theta
+    for key in _TARGET_ONLY_ROPE_KEYS:
+        params.pop(key, None)
+    if params.get("rope_type") == "proportional":
+        scaled = params.get("factor", 1.0) != 1.0
+        params["rope_type"] = "linear" if scaled else "default"
+        if not scaled:
+            params.pop("factor", None)
     return params
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, List, Optional
 import torch
 from torch import nn
 
+from .config import target_text_config
 from .drafter import DFlashDrafter
 from .proposer import DFlashProposer
 from .target import CacheRollback, TargetRunner, streamed_linears
@@ -125,7 +126,8 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
         if not profile:
             return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
         runner = TargetRunner(target, drafter.config.target_layer_ids)
-        ids = torch.randint(0, target.config.vocab_size, (1, max(1, context_len)), device=runner.device)
+        vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
+        ids = torch.randint(0, vocab, (1, max(1, context_len)), device=runner.device)
         _, feats, cache = runner(ids, None)
         rollback = CacheRollback(cache, max(sizes))
         proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from . import ops, reference
 from .checkpoint import read_checkpoint, torch_dtype, write_checkpoint
-from .config import DFlashConfig
+from .config import DFlashConfig, target_text_config
 
 __all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "effective_windows", "context_mask"]
 
@@ -240,14 +240,16 @@ class DFlashDrafter(nn.Module):
         return DFlashAssistant(self, fused=fused, draft_window=draft_window)
 
     def check_fits(self, target_config) -> None:
-        """Raise a clear error when this drafter was not built for `target_config`."""
+        """Raise a clear error when this drafter was not built for `target_config` (a model
+        config; composite ones are checked against their text config)."""
         c = self.config
+        t = target_text_config(target_config)
         problems = []
-        if c.hidden_size != target_config.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} != target's {target_config.hidden_size}")
-        if c.vocab_size != target_config.vocab_size:
-            problems.append(f"vocab size {c.vocab_size} != target's {target_config.vocab_size}")
-        L = target_config.num_hidden_layers
+        if c.hidden_size != t.hidden_size:
+            problems.append(f"hidden size {c.hidden_size} != target's {t.hidden_size}")
+        if c.vocab_size != t.vocab_size:
+            problems.append(f"vocab size {c.vocab_size} != target's {t.vocab_size}")
+        L = t.num_hidden_layers
         if c.num_target_layers != L or max(c.target_layer_ids) >= L:
             problems.append(f"target layers {c.target_layer_ids} of {c.num_target_layers} do not fit "
                             f"a target with {L} layers")

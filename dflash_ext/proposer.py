@@ -1,18 +1,36 @@
 """The draft side of one step: :class:`DFlashProposer` joins a drafter to one target
 (its embedding and LM head, the drafter's context cache, the selected target layers),
 captures the draft step in a CUDA graph on CUDA, and turns the drafter's hidden states
-into draft tokens (:func:`draft_tokens`, with the CPU LM-head padding rule)."""
+into draft tokens (:func:`draft_tokens`, with the CPU LM-head padding rule). The block's
+embeddings come from :func:`block_embedding`, here and in training."""
+import copy
 import time
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import ops
 from .drafter import DFlashDrafter, DraftCache
 from .hardware import skinny_linear_streams
 
-__all__ = ["DFlashProposer", "draft_tokens", "capture_cuda_graph"]
+__all__ = ["DFlashProposer", "draft_tokens", "capture_cuda_graph", "block_embedding"]
+
+
+def block_embedding(target) -> nn.Module:
+    """The target's input embedding as DFlash embeds a block [token, MASK...]: as
+    transformers' DFlash path does (``DFlashTokenCandidateGenerator._get_noise_embeds``),
+    without the normaliser some embeddings apply after the lookup (``embed_norm``), keeping
+    any scale (Gemma's sqrt(H)). A view that shares the target's weights and leaves its
+    embedding as it is (transformers swaps the norm out per call, which a captured CUDA
+    graph or a concurrent target forward would not survive)."""
+    embed = target.get_input_embeddings()
+    if getattr(embed, "embed_norm", None) is None:
+        return embed
+    view = copy.copy(embed)
+    view._modules = {**embed._modules, "embed_norm": nn.Identity()}
+    return view
 
 
 def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -78,7 +96,7 @@ class DFlashProposer:
                  draft_window: Optional[int] = None, cuda_graph: Optional[bool] = None):
         drafter.check_fits(target.config)
         self.drafter, self.fused = drafter, fused
-        self.embed = target.get_input_embeddings()
+        self.embed = block_embedding(target)
         self.lm_head = target.get_output_embeddings()
         self.layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id

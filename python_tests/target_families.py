@@ -88,15 +88,37 @@ def target_config(family: str, num_hidden_layers: int = None, vocab_size: int = 
     raise ValueError(f"no tiny config for family {family!r}; known: {', '.join(FAMILIES)}")
 
 
-def tiny_family_target(family: str, seed: int = 0, sharpen: float = 20.0, dtype=torch.float32, **config):
+# The families whose checkpoints ship a composite (multimodal) config around the text one.
+COMPOSITE = ("gemma4", "qwen3_5", "qwen3_5_moe")
+
+
+def composite_config(family: str, **config):
+    """The composite config a checkpoint of `family` ships, around ``target_config(family,
+    **config)`` (see COMPOSITE): AutoModelForCausalLM builds Gemma4ForConditionalGeneration
+    from it (a target whose own config has no text fields), the Qwen3.5 text model from Qwen3.5's."""
+    import transformers as tf
+
+    text = target_config(family, **config).to_dict()
+    if family == "gemma4":
+        return tf.Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        cls = tf.Qwen3_5Config if family == "qwen3_5" else tf.Qwen3_5MoeConfig
+        return cls(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                                        out_hidden_size=text["hidden_size"]))
+    raise ValueError(f"family {family!r} has no composite config; those that do: {', '.join(COMPOSITE)}")
+
+
+def tiny_family_target(family: str, seed: int = 0, sharpen: float = 20.0, dtype=torch.float32, composite: bool = False,
+                       **config):
     """A ready causal LM of `family` (random weights, eval mode) of ``target_config(family,
-    **config)``. `sharpen` scales the LM head: sharper logits than the default init, so that
-    greedy decoding does not hinge on near ties that differ between a one-token pass and a
-    block pass."""
+    **config)`` (`composite`: of :func:`composite_config`). `sharpen` scales the LM head:
+    sharper logits than the default init, so that greedy decoding does not hinge on near ties
+    that differ between a one-token pass and a block pass."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(target_config(family, **config), dtype=dtype)
+    model = AutoModelForCausalLM.from_config((composite_config if composite else target_config)(family, **config),
+                                             dtype=dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     return model.eval()

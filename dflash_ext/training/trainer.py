@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import default_target_layer_ids
+from ..config import default_target_layer_ids, target_text_config
 from ..drafter import DFlashDrafter
 from ..hardware import fastest_dtype
+from ..proposer import block_embedding
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
 
@@ -78,7 +79,7 @@ class FrozenTargetParts(torch.nn.Module):
 
     def __init__(self, target):
         super().__init__()
-        self.embed = target.get_input_embeddings()
+        self.embed = block_embedding(target)  # as inference embeds a block
         self.lm_head = target.get_output_embeddings()
         for p in self.parameters():
             p.requires_grad_(False)
@@ -162,14 +163,15 @@ def init_layers_from_target(drafter: DFlashDrafter, target) -> None:
     """Start the drafter's N layers from the target's last N decoder layers (same widths;
     the Qwen3 q/k norms start as identity) and its final norm from the target's, so the
     drafter starts as a language model whose output the frozen LM head already reads."""
-    src = target.model.layers[-len(drafter.layers):]
+    decoder = target.get_decoder()  # composite models keep the text decoder a level deeper
+    src = decoder.layers[-len(drafter.layers):]
     with torch.no_grad():
         for mine, theirs in zip(drafter.layers, src):
             own = mine.state_dict()
             for name, t in theirs.state_dict().items():
                 if name in own and own[name].shape == t.shape:
                     own[name].copy_(t)
-        drafter.norm.weight.copy_(target.model.norm.weight)
+        drafter.norm.weight.copy_(decoder.norm.weight)
 
 
 def _dist_info():
@@ -185,7 +187,8 @@ def _layer_ids(cfg: TrainConfig, target) -> List[int]:
     if os.path.exists(meta):
         with open(meta) as f:
             return json.load(f)["target_layer_ids"]
-    return default_target_layer_ids(target.config.num_hidden_layers, cfg.num_layers or FRESH_LAYERS)
+    return default_target_layer_ids(target_text_config(target.config).num_hidden_layers,
+                                    cfg.num_layers or FRESH_LAYERS)
 
 
 class _Features:

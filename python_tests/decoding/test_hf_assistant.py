@@ -8,6 +8,7 @@ from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.proposer import DFlashProposer
 from dflash_ext.drafter import DFlashDrafter
 from python_tests.decoding_helpers import tiny_target
+from python_tests.target_families import FAMILIES, tiny_family_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]
 
@@ -33,6 +34,50 @@ def test_greedy_through_hf_generate_equals_the_target_and_spec_generate(target, 
             hf = hf_generate(target, assistant, prompt, n, do_sample=False)
             assert hf == target_generate(target, prompt, n).tokens
             assert hf == spec_generate(target, drafter, prompt, n).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("gemma4-composite",))
+def test_every_family_through_hf_generate_is_lossless(family):
+    """The drafter from_target makes runs in transformers' DFlash loop on every family a
+    published drafter serves (hybrid, sliding-window, MoE, MLA targets; Gemma 4 also as
+    the multimodal model its checkpoints load as) and leaves the target's greedy output unchanged."""
+    target = tiny_family_target(family.split("-")[0], composite=family.endswith("-composite"))
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
+    assistant = drafter.as_assistant(target)
+    prompt = PROMPTS[1]  # longer than the tiny targets' sliding window
+    alone = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert hf_generate(target, assistant, prompt, 16, do_sample=False) == alone[0, len(prompt):].tolist()
+    assert assistant.calls > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_accepted_drafts_through_hf_generate_stay_lossless(family, monkeypatch):
+    """Drafts that are accepted (whole blocks and prefixes) on a hybrid and a sliding-window
+    target: the drafter runs as always (its context cache takes every accepted row), then its
+    hidden states are replaced by ones the LM head reads as the target's own continuation,
+    one slot wrong every third round."""
+    target = tiny_family_target(family)
+    prompt = PROMPTS[1]
+    alone = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    cont = alone[0, len(prompt):].tolist() + [0] * 8
+    head = target.get_output_embeddings().weight
+    assistant = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4).as_assistant(target)
+    real_call = type(assistant).__call__
+
+    def oracle(self, noise_embeds, context_hidden_states, position_ids, **kw):
+        out = real_call(self, noise_embeds, context_hidden_states, position_ids, **kw)
+        start = int(position_ids[0, context_hidden_states.shape[1]]) + 1 - len(prompt)  # slot 1's token
+        tokens = cont[start:start + out.last_hidden_state.shape[1] - 1]
+        if self.calls % 3 == 0:
+            tokens[1] = (tokens[1] + 1) % head.shape[0]
+        wanted = head[tokens].detach()  # a row is read as its own token (checked below)
+        assert head.mm(wanted.T).argmax(0).tolist() == tokens
+        out.last_hidden_state = torch.cat([out.last_hidden_state[:, :1], wanted[None]], 1)
+        return out
+
+    monkeypatch.setattr(type(assistant), "__call__", oracle)
+    assert hf_generate(target, assistant, prompt, 24, do_sample=False) == alone[0, len(prompt):].tolist()
+    assert max(assistant.acceptance_lengths) == 4 and 2 in assistant.acceptance_lengths
 
 
 def test_hf_path_drafts_the_blocks_spec_generate_drafts(target, monkeypatch):

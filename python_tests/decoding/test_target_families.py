@@ -5,16 +5,12 @@ rejection at any position of the block leaves the cache a fresh prefill would bu
 import pytest
 import torch
 
-from dflash_ext.config import DFlashConfig, default_target_layer_ids
 from dflash_ext.decoding import DecodeState, spec_generate, speculative_step, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.target import CacheRollback, TargetRunner
 from python_tests.decoding_helpers import OracleProposer
 from python_tests.target_families import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
 
-# from_target cannot fit these yet (partial rotary, per-layer head_dim, no intermediate_size:
-# the targets-fit branch): their drafter is built from an explicit config meanwhile.
-FROM_TARGET_PENDING = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma4"}
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 52))]  # the second is longer than the window
 NEW_TOKENS = 3 * SLIDING_WINDOW
 
@@ -24,28 +20,14 @@ def family_target(request):
     return request.param, tiny_family_target(request.param)
 
 
-def family_drafter(family, target, block_size, num_layers=1):
-    """A random drafter for `target` (from_target, or an explicit Qwen3-style config of the
-    same width where from_target does not fit the family yet)."""
-    if family not in FROM_TARGET_PENDING:
-        return DFlashDrafter.from_target(target.config, num_layers=num_layers, block_size=block_size)
-    c = target.config
-    torch.manual_seed(0)
-    return DFlashDrafter(DFlashConfig(
-        hidden_size=c.hidden_size, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=c.hidden_size // 4, intermediate_size=2 * c.hidden_size, vocab_size=c.vocab_size,
-        num_target_layers=c.num_hidden_layers, target_layer_ids=default_target_layer_ids(c.num_hidden_layers, 2),
-        mask_token_id=c.vocab_size - 1, block_size=block_size, rms_norm_eps=c.rms_norm_eps))
-
-
 def hf_greedy(target, prompt, n):
     out = target.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
 def test_greedy_spec_generate_is_the_target_alone(family_target):
-    family, target = family_target
-    drafter = family_drafter(family, target, block_size=4)
+    _, target = family_target
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     for prompt in PROMPTS:
         base = target_generate(target, prompt, NEW_TOKENS).tokens
         assert hf_greedy(target, prompt, NEW_TOKENS) == base
@@ -199,7 +181,7 @@ def test_sampling_on_a_hybrid_target_follows_its_distribution():
 @pytest.mark.parametrize("family", SLIDING + HYBRID[1:2])
 def test_auto_block_size_times_verify_with_the_rollback(family):
     target = tiny_family_target(family)
-    drafter = family_drafter(family, target, block_size=4)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     drafter.acceptance_profile = [0.9, 0.8, 0.7]
     prompt = PROMPTS[1]
     out = spec_generate(target, drafter, prompt, NEW_TOKENS, block_size="auto")

@@ -13,6 +13,7 @@ from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sampl
 from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
                                         tau_of, train)
 from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from python_tests.target_families import tiny_family_target
 
 
 def test_context_mask_matches_hand_built_mask():
@@ -110,7 +111,7 @@ def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
 def _tiny_corpus(target, folder, n=6, prompt_len=6, new_tokens=40, layer_ids=(1, 3, 4)):
     os.makedirs(folder, exist_ok=True)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    prompts = [torch.randint(3, 128, (prompt_len,), generator=g).tolist() for _ in range(n)]  # in every tiny vocab
     with open(os.path.join(folder, "responses-00000.jsonl"), "w") as f:
         for i, p in enumerate(prompts):
             resp = target_generate(target, p, new_tokens).tokens
@@ -229,6 +230,30 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert not torch.equal(again.fc.weight, DFlashDrafter.from_pretrained(cfg.out).fc.weight.float())
     reloaded = DFlashDrafter.from_pretrained(cont.out)
     assert reloaded.config.block_size == 3 and len(reloaded.acceptance_profile) == 2
+
+
+def test_training_step_and_heldout_eval_on_a_hybrid_target(tmp_path):
+    """A Gated DeltaNet hybrid target (qwen3_5: linear-attention + full-attention layers):
+    responses, cached features, a few training steps on repeated data (the loss falls) and
+    the held-out tau, during training and from evaluate_drafter on the saved drafter."""
+    from dflash_ext.training.trainer import evaluate_drafter
+
+    target = tiny_family_target("qwen3_5")
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=5, new_tokens=20, layer_ids=(0, 2))
+    cfg = TrainConfig(data=data, out=str(tmp_path / "ckpt"), num_layers=1, block_size=4, anchors=16, lr=3e-3,
+                      epochs=4, batch_size=2, warmup=0.1, holdout=1, save_every=10 ** 9, log_every=1,
+                      autocast="none")  # 4 training records: 2 steps an epoch, the same data again and again
+    logs = []
+    drafter = train(cfg, target, log=logs.append)
+    assert drafter.config.target_layer_ids == [0, 2] and drafter.config.num_target_layers == 4
+    losses = [float(m.split(" loss ")[1].split()[0]) for m in logs if m.startswith("[train] step")]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
+    evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
+    assert [e["step"] for e in evals] == [8] and 1 <= evals[0]["tau"] <= 4
+    tau, accept = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
+    assert tau == pytest.approx(evals[0]["tau"], abs=0.02) and len(accept) == 3
 
 
 def test_added_layers_leave_the_drafts_unchanged_until_trained(tmp_path):
