@@ -18,9 +18,10 @@ in its cache (the layer kinds a rollback must handle), as transformers 5.25 buil
 | qwen3_5      | Qwen3_5ForCausalLM (text)| linear attention (conv + recurrent state) + full         |
 | qwen3_5_moe  | Qwen3_5MoeForCausalLM    | linear attention (conv + recurrent state) + full         |
 
-(In transformers' DynamicCache: full = DynamicLayer, sliding window = DynamicSlidingWindowLayer,
-linear attention = LinearAttentionLayer.) Composite configs (qwen3_5, gemma4 and their vision/audio parts) are built from their text
-config, whose causal-LM class is the text-only model a drafter's target runs as.
+In transformers' DynamicCache: full = DynamicLayer, sliding window = DynamicSlidingWindowLayer,
+linear attention = LinearAttentionLayer. Composite configs (qwen3_5, gemma4 and their
+vision/audio parts) are built from their text config, whose causal-LM class is the text-only
+model a drafter's target runs as.
 """
 import torch
 
