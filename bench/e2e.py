@@ -28,7 +28,8 @@ no names to run only the custom prompts. Each prompt is formatted with the token
 template (the user text is cut to ``--max-prompt-tokens`` tokens first).
 
 Target: ``--target DIR`` (a Hugging Face causal LM folder), default the embedded
-SmolLM2-135M-Instruct. Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
+SmolLM2-135M-Instruct; any family spec_generate runs (sliding-window and linear-attention
+hybrids included: the cache rollback is chosen per cache, dflash_ext.target.CacheRollback). Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
 format), default a freshly initialised drafter (``DFlashDrafter.from_target``) which is
 UNTRAINED: it accepts almost nothing (tau ~ 1) and DFlash is then slower than the target
 alone; the output says so.

@@ -18,9 +18,10 @@ in its cache (the layer kinds a rollback must handle), as transformers 5.25 buil
 | qwen3_5      | Qwen3_5ForCausalLM (text)| linear attention (conv + recurrent state) + full         |
 | qwen3_5_moe  | Qwen3_5MoeForCausalLM    | linear attention (conv + recurrent state) + full         |
 
-(In transformers' DynamicCache: full = DynamicLayer, sliding window = DynamicSlidingWindowLayer,
-linear attention = LinearAttentionLayer.) Composite configs (qwen3_5, gemma4 and their vision/audio parts) are built from their text
-config, whose causal-LM class is the text-only model a drafter's target runs as.
+In transformers' DynamicCache: full = DynamicLayer, sliding window = DynamicSlidingWindowLayer,
+linear attention = LinearAttentionLayer. Composite configs (qwen3_5, gemma4 and their
+vision/audio parts) are built from their text config, whose causal-LM class is the text-only
+model a drafter's target runs as.
 """
 import torch
 
@@ -33,6 +34,9 @@ CROPPABLE = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
 SLIDING = ("gpt_oss", "gemma4")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 FAMILIES = CROPPABLE + SLIDING + HYBRID
+# Families of other published checkpoints (GLM-4.5/4.6, MiniMax-M2, Kimi-Linear, MiniMax-01,
+# DeepSeek-V3.2): what spec_generate makes of them (python_tests/decoding/test_target_families.py).
+OTHER_FAMILIES = ("glm4_moe", "minimax_m2", "kimi_linear", "minimax", "deepseek_v32")
 
 _SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2)
 
@@ -85,7 +89,31 @@ def target_config(family: str, num_hidden_layers: int = None, vocab_size: int = 
         layers = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(n)]
         return cls(**common, head_dim=d, layer_types=layers, linear_conv_kernel_dim=4, linear_key_head_dim=d,
                    linear_value_head_dim=d, linear_num_key_heads=2, linear_num_value_heads=4, **extra)
-    raise ValueError(f"no tiny config for family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "glm4_moe":
+        return tf.Glm4MoeConfig(**common, intermediate_size=2 * hidden_size, head_dim=d, n_routed_experts=4,
+                                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden_size // 2)
+    if family == "minimax_m2":
+        return tf.MiniMaxM2Config(**common, intermediate_size=hidden_size, head_dim=d, num_local_experts=4,
+                                  num_experts_per_tok=2)
+    if family == "minimax":  # lightning (linear) attention layers among full ones
+        return tf.MiniMaxConfig(**common, intermediate_size=2 * hidden_size, head_dim=d, num_local_experts=4,
+                                num_experts_per_tok=2, block_size=4, layer_types=[
+                                    "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+                                    for i in range(n)])
+    mla = dict(common, num_key_value_heads=4, kv_lora_rank=hidden_size // 2, qk_rope_head_dim=d // 2,
+               qk_nope_head_dim=d, v_head_dim=d, n_routed_experts=4, num_experts_per_tok=2)
+    if family == "kimi_linear":  # Kimi Delta Attention (conv + recurrent state) among MLA layers
+        mla.pop("n_routed_experts")  # its experts are num_local_experts; its token ids are past a tiny vocab
+        mla.update(num_local_experts=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return tf.KimiLinearConfig(**mla, intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 2,
+                                   q_lora_rank=None, linear_head_dim=d, linear_num_heads=4, layer_types=[
+                                       "full_attention" if (i + 1) % full_attention_interval == 0
+                                       else "linear_attention" for i in range(n)])
+    if family == "deepseek_v32":  # DSA: an indexer keeps the top index_topk keys per query
+        return tf.DeepseekV32Config(**mla, intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 2,
+                                    n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=hidden_size // 2,
+                                    index_topk=8, index_head_dim=d, index_n_heads=2)
+    raise ValueError(f"no tiny config for family {family!r}; known: {', '.join(FAMILIES + OTHER_FAMILIES)}")
 
 
 # The families whose checkpoints ship a composite (multimodal) config around the text one.

@@ -1,5 +1,5 @@
-"""Smoke tests of bench.draft_latency, bench.e2e, bench.bench_ops, bench.verify_numerics and
-bench.training.learning_curve: each runs (``python -m bench.<name>`` from the repository
+"""Smoke tests of bench.draft_latency, bench.e2e, bench.bench_ops, bench.verify_numerics,
+bench.rollback and bench.training.learning_curve: each runs (``python -m bench.<name>`` from the repository
 root) with options even smaller than --quick, and the JSON it writes is checked (fields and
 sanity, not the timings). bench_ops's CUDA-only columns (bytes moved, copy bandwidth, SDPA)
 are checked on CPU through its pure helpers and a run with them forced on; its --isa levels
@@ -303,6 +303,28 @@ def test_verify_numerics_quick(tmp_path):
         assert r["rowwise_bitwise_rows"] == r["rowwise_rows"]
         assert r["exact_rows"] == r["verify_rows"]
         assert r["one_ms"] > 0 and r["verify_x"] > 0 and r["rowwise_x"] > 0 and r["exact_x"] > 0
+
+
+# --------------------------------------------------------------------------- rollback
+
+@pytest.mark.slow
+def test_rollback_quick(tmp_path):
+    out = tmp_path / "rb.json"
+    proc = _run("rollback", ["--quick", "--reps", "2", "--warmup", "1", "--threads", "1", "--hidden", "64",
+                             "--layers", "2", "--vocab", "256", "--context", "16", "--block", "4", "--window", "6",
+                             "--full-every", "2", "--json", str(out)])
+    assert "rollback ms/step" in proc.stdout
+    data = json.loads(out.read_text())
+    rows = {r["family"]: r for r in data["rows"]}
+    assert set(rows) == {"qwen3", "gpt_oss", "qwen3_5"} and data["metadata"]["block"] == 4
+    assert not rows["qwen3"]["records"] and rows["gpt_oss"]["records"] and rows["qwen3_5"]["records"]
+    assert "DynamicSlidingWindowLayer" in rows["gpt_oss"]["cache_layers"]
+    assert "LinearAttentionLayer" in rows["qwen3_5"]["cache_layers"]
+    for r in rows.values():
+        assert r["pass_ms"] > 0 and r["recorded_pass_ms"] > 0 and r["crop_ms"] > 0 and r["reps"] == 2
+    assert rows["qwen3"]["rollback_ms"] == rows["qwen3"]["crop_ms"]  # nothing recorded: the crop alone
+    for r in (rows["gpt_oss"], rows["qwen3_5"]):
+        assert r["rollback_ms"] == pytest.approx(r["pass_and_rollback_ms"] - r["pass_ms"])
 
 
 # --------------------------------------------------------------------------- training.learning_curve
