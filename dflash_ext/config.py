@@ -277,12 +277,7 @@ def _reject_unsupported(d: dict, dflash: dict) -> None:
                          + " (README, 'Checkpoints': what is supported)")
 
 
-# Rope fields of a target that a Qwen3 text drafter does not have: partial rotation
-# (Qwen3.5, Qwen3-Next, Gemma 4's global layers) and the multimodal sections (Qwen3.5's mrope).
-_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
-
-
-def _target_rope(config) -> dict:
+def _target_rope(config) -> Optional[dict]:
     """The rope of a drafter for the text config `config`: the target's theta and scaling as
     a rope_parameters dict, rotating the whole head (the authors' drafters are Qwen3 layers
     with full rotary whatever the target's partial rotary). Rope per layer type (Gemma 4)
@@ -298,7 +293,9 @@ def _target_rope(config) -> dict:
         params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
         if getattr(config, "rope_theta", None) is not None:
             params["rope_theta"] = config.rope_theta
-    for key in _TARGET_ONLY_ROPE_KEYS:
+    # what a Qwen3 text drafter does not have: partial rotation (Qwen3.5, Qwen3-Next, Gemma 4's
+    # global layers) and the multimodal sections (Qwen3.5's mrope)
+    for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
         params.pop(key, None)
     if params.get("rope_type") == "proportional":
         scaled = params.get("factor", 1.0) != 1.0
