@@ -43,7 +43,8 @@ _FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias"
                  "use_aux_hidden_state": (None, True), "logit_scale": (None, 1, 1.0)}
 _DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size", "is_causal", "causal"}
 # Where a checkpoint says that every layer is causal (true) or bidirectional (false), first
-# found wins: the engines' precedence (vLLM `_dflash_layer_causal`, SGLang PR 34524).
+# found wins: top-level is_causal (the authors' model.py, SGLang, vLLM), dflash_config.is_causal
+# (some checkpoints; vLLM ports), dflash_config.causal (vLLM `_dflash_layer_causal`).
 _CAUSAL_FIELDS = (("is_causal", False), ("is_causal", True), ("causal", True))  # (key, inside dflash_config)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
