@@ -1,7 +1,9 @@
 """The drafter's config: :class:`DFlashConfig`, what each ``config.json`` field of the
 reference format (z-lab/dflash ``DFlashDraftModel``: a Qwen3 config plus ``block_size``,
-``num_target_layers`` and ``dflash_config``) means here, and which fields are rejected
-because they change the drafted function in some implementation and are not implemented.
+``num_target_layers`` and ``dflash_config``) means here, which layers attend causally
+(:attr:`DFlashConfig.layer_causal`: the rule SGLang, vLLM, TensorRT-LLM and the authors'
+code share), and which fields are rejected because they change the drafted function in
+some implementation and are not implemented.
 """
 import math
 from dataclasses import dataclass
@@ -24,16 +26,28 @@ _QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
                "rope_scaling", "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers",
                "layer_types")
-_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config")
+_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config", "is_causal")
 # Metadata, training-only settings, and parts the drafter does not have (embedding, LM head).
 _INERT_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "initializer_range",
                "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
                "tie_word_embeddings", "auto_map", "_name_or_path"}
-# Honoured at these values only (the authors' code reads the DFlash ones from dflash_config or the top level).
+# Honoured at these values only, at the top level or in dflash_config (the authors' code and
+# the engines read the DFlash ones from either). The engines' DFlash v1 extras, by reader:
+# vLLM's attention sinks (dflash_config.attention_sink_bias, top-level
+# add_swa_attention_sink_bias), its SWA switch for every layer (dflash_config.use_swa, window
+# swa_window_size), interleaved RoPE (is_neox_style; SGLang also rope_is_neox_style), a
+# drafter without target features (use_aux_hidden_state) and a logit scale (logit_scale).
 _FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
-                 "is_causal": (None, False), "input_embedding_scale": (None, 1, 1.0),
-                 "output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0)}
-_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size"}
+                 "input_embedding_scale": (None, 1, 1.0), "output_multiplier": (None, 1, 1.0),
+                 "final_logit_softcapping": (None, 0, 0.0), "attention_sink_bias": (None, False),
+                 "add_swa_attention_sink_bias": (None, False), "use_swa": (None, False),
+                 "swa_window_size": (None,), "is_neox_style": (None, True), "rope_is_neox_style": (None, True),
+                 "use_aux_hidden_state": (None, True), "logit_scale": (None, 1, 1.0)}
+_DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size", "is_causal", "causal"}
+# Where a checkpoint says that every layer is causal (true) or bidirectional (false), first
+# found wins: top-level is_causal (the authors' model.py, SGLang, vLLM), dflash_config.is_causal
+# (some checkpoints; vLLM ports), dflash_config.causal (vLLM `_dflash_layer_causal`).
+_CAUSAL_FIELDS = (("is_causal", False), ("is_causal", True), ("causal", True))  # (key, inside dflash_config)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
@@ -67,6 +81,8 @@ class DFlashConfig:
     sliding_window: Optional[int] = None  # window of the "sliding_attention" layers (None = none)
     layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention
     draft_vocab_size: Optional[int] = None  # tokens of the draft vocabulary (None: the whole vocabulary)
+    # Every layer causal (True) or bidirectional (False); None: by layer type (layer_causal).
+    causal: Optional[bool] = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -90,6 +106,8 @@ class DFlashConfig:
                 not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
             raise ValueError(f"layer_types must name full_attention or sliding_attention for each of the "
                              f"{self.num_hidden_layers} layers, got {self.layer_types}")
+        if self.causal not in (None, True, False):
+            raise ValueError(f"causal must be true, false or None, got {self.causal!r}")
         hf = self.hf_config()  # validates the rope parameters as transformers does
         self.rope_parameters = dict(hf.rope_parameters)
         rope_type = self.rope_parameters.get("rope_type", "default")
@@ -117,6 +135,18 @@ class DFlashConfig:
         """Per layer: how many of the last context rows it sees (0 = all of them)."""
         return [self.sliding_window if t == "sliding_attention" and self.sliding_window else 0
                 for t in self.layer_types]
+
+    @property
+    def layer_causal(self) -> List[bool]:
+        """Per layer: whether its block queries attend causally. The engines' rule: an explicit
+        `causal` (is_causal / dflash_config.is_causal / dflash_config.causal) sets every layer;
+        else a sliding_attention layer is causal and a full_attention layer bidirectional.
+        Causal: the query at position p sees the keys at positions p - W < k <= p (W its
+        window, 0 = no bound) over the context followed by the block; bidirectional: the
+        last W context rows before the block and the whole block."""
+        if self.causal is not None:
+            return [self.causal] * self.num_hidden_layers
+        return [t == "sliding_attention" for t in self.layer_types]
 
     @property
     def rope_position_limit(self) -> Optional[int]:
@@ -161,6 +191,8 @@ class DFlashConfig:
             d["rope_scaling"] = rope  # read by transformers 4.x and 5.x alike
         if sliding:
             d["layer_types"] = list(self.layer_types)
+        if self.causal is not None:
+            d["is_causal"] = self.causal  # the field every engine reads first
         return d
 
     @classmethod
@@ -187,7 +219,7 @@ class DFlashConfig:
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
-            layer_types=list(hf.layer_types),
+            layer_types=list(hf.layer_types), causal=_explicit_causal(d, dflash),
         )
 
 
@@ -275,6 +307,18 @@ def _reject_unsupported(d: dict, dflash: dict) -> None:
     if problems:
         raise ValueError("drafter config.json: " + "; ".join(problems)
                          + " (README, 'Checkpoints': what is supported)")
+
+
+def _explicit_causal(d: dict, dflash: dict) -> Optional[bool]:
+    """The checkpoint's causality override for every layer (None: by layer type)."""
+    for key, inner in _CAUSAL_FIELDS:
+        value = (dflash if inner else d).get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise ValueError(f"drafter config.json: {'dflash_config.' if inner else ''}{key}={value!r} "
+                                 f"must be true, false or null")
+            return value
+    return None
 
 
 def _target_rope(config) -> Optional[dict]:

@@ -1,5 +1,6 @@
-"""The DFlash drafter: N Qwen3-style decoder layers whose non-causal attention sees the
-target's projected hidden states as a per-layer context KV cache.
+"""The DFlash drafter: N Qwen3-style decoder layers whose attention sees the target's
+projected hidden states as a per-layer context KV cache, followed by the block; each layer
+bidirectional or causal by :attr:`~dflash_ext.config.DFlashConfig.layer_causal`.
 
 Here: the layers, the context cache (:class:`DraftCache`), the draft step over the
 fused ops (inference) and the differentiable forward over many blocks (training). The
@@ -15,7 +16,7 @@ from . import ops, reference
 from .checkpoint import read_checkpoint, torch_dtype, write_checkpoint
 from .config import DFlashConfig, target_text_config
 
-__all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "effective_windows", "context_mask"]
+__all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "effective_windows", "context_mask", "block_mask"]
 
 
 class RMSNorm(nn.Module):
@@ -77,9 +78,11 @@ class DecoderLayer(nn.Module):
 
 
 def effective_windows(config: DFlashConfig, draft_window: Optional[int] = None) -> List[int]:
-    """Per layer, the number of last context rows it sees (0 = all): a sliding_attention
-    layer its `sliding_window`, a full_attention layer everything. `draft_window` (like
-    the authors' --draft-sliding-window-size) caps every layer's view, full ones included,
+    """Per layer, its attention window W (0 = none): a sliding_attention layer its
+    `sliding_window`, a full_attention layer none. A bidirectional layer sees the last W
+    context rows and the whole block; a causal one (config.layer_causal) counts W per query:
+    the query at position p sees the keys at p - W < k <= p. `draft_window` (like the
+    authors' --draft-sliding-window-size) caps every layer's window, full ones included,
     for long contexts."""
     if draft_window is not None and draft_window < 1:
         raise ValueError(f"draft_window must be >= 1 (or None), got {draft_window}")
@@ -94,7 +97,8 @@ class DraftCache:
     them hold accepted tokens. Only accepted tokens advance it. The lengths live twice:
     on the host (``lengths``, for slot arithmetic without reading the device) and in the
     persistent device tensor ``lens`` that the attention reads, updated in place (so a
-    captured CUDA graph sees the current lengths)."""
+    captured CUDA graph sees the current lengths). ``windows`` and ``causal`` say per layer
+    how its block queries attend (:func:`effective_windows`)."""
 
     def __init__(self, config: DFlashConfig, batch_size: int, capacity: int, device, dtype,
                  draft_window: Optional[int] = None):
@@ -104,6 +108,7 @@ class DraftCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
         self.windows = effective_windows(config, draft_window)
+        self.causal = config.layer_causal
         self._lengths = [0] * batch_size
         self.lens = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.offsets = torch.arange(batch_size, device=device, dtype=torch.long) * capacity
@@ -332,13 +337,14 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
         attention = ops.block_attention if fused else reference.block_attention
-        fused_args = (-1 if validate else cache.capacity, validate) if fused else ()  # max_context, validate
+        fused_args = dict(max_context=-1 if validate else cache.capacity, validate=validate) if fused else {}
         offsets, lens = cache.offsets, cache.lens
         scale = self.config.head_dim ** -0.5
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens,
-                                                             scale, cache.windows[i], *fused_args))
+            x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
+                                                             window=cache.windows[i], causal=cache.causal[i],
+                                                             **fused_args))
         return self.norm(x)
 
     def draft_vocab_head(self, lm_head: nn.Module):
@@ -362,7 +368,8 @@ class DFlashDrafter(nn.Module):
         concatenated); block_embeds [nb, B, H]: target embeddings of [anchor token, MASK...];
         anchors [nb]: block positions. Block a attends to the context rows at positions
         < anchors[a] and to its own B rows, exactly what the block drafted at anchors[a]
-        sees at inference. The scores against the context, shared by all blocks, and
+        sees at inference, through the same per-layer masks (:func:`context_mask`,
+        :func:`block_mask`). The scores against the context, shared by all blocks, and
         against each block's own rows are one softmax ([nb, B, S + B] per head) without
         copying the context keys per block, so the cost grows linearly with the number of
         anchors. Returns final-normed hidden [nb, B, H].
@@ -377,19 +384,26 @@ class DFlashDrafter(nn.Module):
         cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
         pos = anchors[:, None] + torch.arange(B, device=anchors.device)  # [nb, B]
         cos_b, sin_b = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
-        hidden_ctx = {w: ~context_mask(anchors, S, w)[:, None, :] for w in set(c.layer_windows)}  # [nb, 1, S]
+        kinds = list(zip(c.layer_windows, c.layer_causal))
+        # the keys each query may not see, per (window, causal): context [nb, 1 or B, S], own block [B, B] (None: all)
+        hidden_keys = {}
+        for w, causal in set(kinds):
+            hidden_keys[w, causal] = (~context_mask(anchors, S, w, B if causal else 0),
+                                      ~block_mask(B, w, anchors.device) if causal else None)
         x = block_embeds
-        for layer, window in zip(self.layers, c.layer_windows):
+        for layer, kind in zip(self.layers, kinds):
             a = layer.self_attn
             k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
             v_ctx = a.v_proj(ctx).view(S, Hkv, D)
-            hidden = hidden_ctx[window]
+            hidden, hidden_own = hidden_keys[kind]
 
             def attend(q, k, v):  # called within this iteration, so the closure sees this layer's tensors
                 # q [nb, B, Hq, D]; k, v [nb, B, Hkv, D]; query head h reads kv head h // group
                 q = q.reshape(nb, B, Hkv, group, D) * scale
                 on_ctx = torch.einsum("nbhgd,shd->hgnbs", q, k_ctx).masked_fill(hidden, float("-inf"))
                 on_own = torch.einsum("nbhgd,nchd->hgnbc", q, k)
+                if hidden_own is not None:
+                    on_own = on_own.masked_fill(hidden_own, float("-inf"))
                 # [Hkv, group, nb, B, S + B], normalised in fp32 (CPU autocast would keep a bf16 softmax in bf16)
                 p = torch.cat([on_ctx, on_own], -1).softmax(-1, dtype=torch.float32).to(v.dtype)
                 o = (torch.einsum("hgnbs,shd->nbhgd", p[..., :S], v_ctx)
@@ -400,15 +414,35 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def context_mask(anchors: torch.Tensor, seq_len: int, window: int = 0) -> torch.Tensor:
-    """Boolean mask [nb, seq_len] (True = attend) of the context rows each block sees:
-    block a sees the rows at positions < anchors[a] (only the last `window` of them when
-    window > 0, as a sliding layer does at inference). Its own B rows it always sees."""
-    pos = torch.arange(seq_len, device=anchors.device)[None, :]
-    ctx = pos < anchors[:, None]
+def context_mask(anchors: torch.Tensor, seq_len: int, window: int = 0, causal_block: int = 0) -> torch.Tensor:
+    """Boolean mask (True = attend) of the context rows each block's queries see: block a
+    sees the rows at positions < anchors[a]. Bidirectional (causal_block = 0): [nb, 1,
+    seq_len], the same rows for all its queries, the last `window` of them when window > 0.
+    Causal (causal_block = B) with a window: [nb, B, seq_len], query i at position
+    anchors[a] + i sees the rows k with anchors[a] + i - k < window; without one every query
+    sees every row before the anchor ([nb, 1, seq_len] again)."""
+    pos = torch.arange(seq_len, device=anchors.device)[None, None, :]
+    anchor = anchors[:, None, None]
+    ctx = pos < anchor
     if window > 0:
-        ctx &= pos >= anchors[:, None] - window
+        if causal_block:
+            query = anchor + torch.arange(causal_block, device=anchors.device)[None, :, None]
+            ctx = ctx & (query - pos < window)
+        else:
+            ctx = ctx & (pos >= anchor - window)
     return ctx
+
+
+def block_mask(block_size: int, window: int = 0, device=None) -> torch.Tensor:
+    """Boolean mask [B, B] (True = attend) of the block rows a causal layer's block queries
+    see: query i sees rows j <= i with i - j < window (window = 0: no bound). A
+    bidirectional layer sees the whole block."""
+    i = torch.arange(block_size, device=device)[:, None]
+    j = torch.arange(block_size, device=device)[None, :]
+    own = j <= i
+    if window > 0:
+        own &= i - j < window
+    return own
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -17,6 +17,7 @@ transformers applies to its own cache has nothing to undo here. A call whose con
 starts at position 0 is a new generation and starts a new cache. It needs no weights but
 the drafter's: embeddings and LM head are the target's, as transformers passes them.
 """
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Optional
 
@@ -48,7 +49,9 @@ class DFlashAssistant:
         self.drafter, self.fused, self.draft_window = drafter, fused, draft_window
         c = drafter.config
         # What transformers reads: a Qwen3 config (its DFlashCache is built from it) plus the DFlash fields.
-        self.config = c.hf_config()
+        # The context lives in our DraftCache, so transformers' cache stays empty; its layers are
+        # all full ones, because a sliding-window cache layer cannot crop while empty (5.25).
+        self.config = replace(c, layer_types=None, sliding_window=None).hf_config()
         self.config.target_layer_ids = list(c.target_layer_ids)
         self.config.block_size = c.block_size
         self.config.mask_token_id = c.mask_token_id

@@ -66,7 +66,10 @@ def inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, position
 
 
 def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale: float,
-                    window: int = 0, compute_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+                    window: int = 0, causal: bool = False,
+                    compute_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    # TEMPORARY (drafter-causal branch): `causal` as the op's spec states it, so the drafter
+    # runs before the op helper's version of this file lands; theirs replaces it at merge.
     Bsz, Bq, Hq, D = q.shape
     group = Hq // k_block.shape[2]
     out = torch.empty_like(q)
@@ -77,6 +80,13 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_
         v = torch.cat([v_cache[start:off + n], v_block[b]]).to(compute_dtype)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[b].to(compute_dtype), k) * scale
+        if causal:  # query at n + i sees key position k <= n + i, and n + i - k < window
+            key_pos = torch.arange(start - off, n + Bq, device=q.device)[None, :]
+            query_pos = torch.arange(n, n + Bq, device=q.device)[:, None]
+            visible = key_pos <= query_pos
+            if window > 0:
+                visible &= query_pos - key_pos < window
+            s = s.masked_fill(~visible, float("-inf"))
         p = torch.softmax(s, dim=-1)
         out[b] = torch.einsum("hij,jhd->ihd", p, v).to(q.dtype)
     return out

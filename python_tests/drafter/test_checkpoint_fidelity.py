@@ -1,23 +1,23 @@
 """Every config the authors' Qwen3-based drafter honours computes the same function here:
 rope of every type transformers implements (its own rotary embedding is the reference),
-per-layer sliding/full attention, and a clear error for fields we do not implement.
+per-layer sliding/full attention with the authors' causality (sliding layers causal unless
+is_causal says otherwise), and a clear error for fields we do not implement.
 
-The reference below is written independently of dflash_ext.drafter: transformers'
-Qwen3RotaryEmbedding and apply_rotary_pos_emb, and plain softmax attention over
-[context K/V ; block K/V], as the authors' model computes one draft step."""
+The reference (plain_reference.py) is written independently of dflash_ext.drafter:
+transformers' Qwen3RotaryEmbedding and apply_rotary_pos_emb, and plain softmax attention
+over [context K/V ; block K/V] under the mask the authors' model.py builds."""
 import json
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dflash_ext.config import DFlashConfig
 from dflash_ext.drafter import DFlashDrafter
 
+from python_tests.drafter.plain_reference import (D, H, K_FEATS, config_json, our_draft_step, plain_draft_step,
+                                                  random_drafter)
 from python_tests.helpers import ROOT
-
-H, HQ, HKV, D, N_LAYERS, K_FEATS = 64, 4, 2, 16, 2, 2
 
 ROPES = {
     "default": None,
@@ -32,90 +32,22 @@ ROPES = {
 }
 
 
-def config_json(rope=None, layer_types=None, sliding_window=None, **extra):
-    d = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
-         "num_hidden_layers": N_LAYERS, "num_attention_heads": HQ, "num_key_value_heads": HKV, "head_dim": D,
-         "intermediate_size": 96, "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-         "max_position_embeddings": 512, "hidden_act": "silu", "attention_bias": False, "block_size": 4,
-         "num_target_layers": 6, "dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99}}
-    if rope:
-        d["rope_scaling"] = dict(rope)
-    if layer_types:
-        d.update(layer_types=layer_types, use_sliding_window=True, sliding_window=sliding_window)
-    d.update(extra)
-    return d
-
-
-def random_drafter(d, dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(DFlashConfig.from_json_dict(d))
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return drafter.to(dtype).eval()
-
-
-def plain_draft_step(drafter, d, feats, block_embeds, start):
-    """The authors' draft step written from transformers' parts: context rows 0..T-1 at
-    positions 0..T-1 and the block at positions start..start+B-1 in one rotary call."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
-
-    hf = Qwen3Config(**{k: v for k, v in d.items() if k not in ("dflash_config", "block_size",
-                                                                   "num_target_layers", "architectures")})
-    T, B = feats.shape[0], block_embeds.shape[0]
-    c = drafter.config
-    HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    positions = torch.cat([torch.arange(T), torch.arange(start, start + B)])[None]
-    cos, sin = Qwen3RotaryEmbedding(hf)(block_embeds[None], positions)
-
-    def norm(x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, hf.rms_norm_eps)
-
-    ctx = norm(F.linear(feats, drafter.fc.weight), drafter.hidden_norm.weight)
-    x = block_embeds
-    for i, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        h = norm(x, layer.input_layernorm.weight)
-        q = norm(F.linear(h, a.q_proj.weight).view(B, HQ, D), a.q_norm.weight).transpose(0, 1)[None]
-        k = norm(torch.cat([F.linear(ctx, a.k_proj.weight), F.linear(h, a.k_proj.weight)]).view(T + B, HKV, D),
-                 a.k_norm.weight).transpose(0, 1)[None]
-        v = torch.cat([F.linear(ctx, a.v_proj.weight), F.linear(h, a.v_proj.weight)]).view(T + B, HKV, D)
-        v = v.transpose(0, 1)[None]
-        q, _ = apply_rotary_pos_emb(q, q, cos[:, T:], sin[:, T:])
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        visible = torch.ones(T + B, dtype=torch.bool)
-        if hf.layer_types[i] == "sliding_attention" and hf.sliding_window:
-            visible[:max(0, T - hf.sliding_window)] = False  # the last `sliding_window` context rows + the block
-        k, v = k.repeat_interleave(HQ // HKV, 1)[..., visible, :], v.repeat_interleave(HQ // HKV, 1)[..., visible, :]
-        p = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * D ** -0.5, -1)
-        o = (p @ v.float()).to(x.dtype)[0].transpose(0, 1).reshape(B, HQ * D)
-        x = x + F.linear(o, a.o_proj.weight)
-        h = norm(x, layer.post_attention_layernorm.weight)
-        m = layer.mlp
-        x = x + F.linear(F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight), m.down_proj.weight)
-    return norm(x, drafter.norm.weight)
-
-
-def our_draft_step(drafter, feats, block_embeds, start, fused=True):
-    cache = drafter.new_cache(1, feats.shape[0] + 8)
-    drafter.add_context(cache, 0, list(feats.split(drafter.config.hidden_size, -1)), torch.arange(feats.shape[0]),
-                        fused=fused)
-    B = block_embeds.shape[0]
-    return drafter.draft_hidden(cache, block_embeds[None], torch.arange(start, start + B)[None], fused=fused)[0]
-
-
-CASES = [(name, rope, None, None) for name, rope in ROPES.items()] + [
-    ("mixed sliding/full", ROPES["yarn"], ["sliding_attention", "full_attention"], 5),
-    ("sliding/sliding", None, ["sliding_attention", "sliding_attention"], 7),
+CASES = [(name, rope, None, None, {}) for name, rope in ROPES.items()] + [
+    # sliding layers causal over a window of 5 / 7, full layers bidirectional
+    ("mixed sliding/full", ROPES["yarn"], ["sliding_attention", "full_attention"], 5, {}),
+    ("sliding/sliding", None, ["sliding_attention", "sliding_attention"], 7, {}),
+    ("is_causal true", None, ["sliding_attention", "full_attention"], 5, {"is_causal": True}),
+    # transformers drops the window without use_sliding_window: causal over the whole context
+    ("sliding, no window", None, ["sliding_attention", "full_attention"], 5, {"use_sliding_window": False}),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("name,rope,layer_types,window", CASES, ids=[c[0] for c in CASES])
-def test_draft_step_equals_an_independent_transformers_reference(name, rope, layer_types, window, fused, dtype):
-    d = config_json(rope, layer_types, window)
+@pytest.mark.parametrize("name,rope,layer_types,window,extra", CASES, ids=[c[0] for c in CASES])
+def test_draft_step_equals_an_independent_transformers_reference(name, rope, layer_types, window, extra, fused,
+                                                                  dtype):
+    d = config_json(rope, layer_types, window, **extra)
     drafter = random_drafter(d, dtype)
     T = 100 if name == "longrope" else 200  # past yarn/llama3's original 128 positions; longrope stays inside
     g = torch.Generator().manual_seed(1)
@@ -209,7 +141,20 @@ def test_draft_window_override_caps_every_layer():
     ({"mystery_scale": 2.0}, r"unsupported fields \['mystery_scale'\]"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"is_causal": True}, "is_causal=True"),
+    ({"is_causal": "yes"}, "is_causal='yes' must be true, false or null"),
+    ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "causal": 1}},
+     "dflash_config.causal=1 must be"),
+    ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "attention_sink_bias": True}},
+     "dflash_config.attention_sink_bias=True"),
+    ({"add_swa_attention_sink_bias": True}, "add_swa_attention_sink_bias=True"),
+    ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "use_swa": True}},
+     "dflash_config.use_swa=True"),
+    ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "swa_window_size": 64}},
+     "dflash_config.swa_window_size=64"),
+    ({"is_neox_style": False}, "is_neox_style=False"),
+    ({"rope_is_neox_style": False}, "rope_is_neox_style=False"),
+    ({"use_aux_hidden_state": False}, "use_aux_hidden_state=False"),
+    ({"logit_scale": 2.0}, "logit_scale=2.0"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 99, "conv_kernel_size": 4}},
      r"unsupported dflash_config fields \['conv_kernel_size'\]"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
-from dflash_ext.drafter import DFlashDrafter, context_mask
+from dflash_ext.drafter import DFlashDrafter, block_mask, context_mask
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
@@ -18,17 +18,29 @@ from python_tests.target_families import tiny_family_target
 
 def test_context_mask_matches_hand_built_mask():
     anchors = torch.tensor([2, 4, 5])
-    # rows: blocks at anchors 2, 4, 5; cols: context rows 0..5
-    assert torch.equal(context_mask(anchors, 6), torch.tensor([
+    # rows: blocks at anchors 2, 4, 5; cols: context rows 0..5 (one row for all of a block's queries)
+    assert torch.equal(context_mask(anchors, 6)[:, 0], torch.tensor([
         [1, 1, 0, 0, 0, 0],
         [1, 1, 1, 1, 0, 0],
         [1, 1, 1, 1, 1, 0],
     ], dtype=torch.bool))
-    assert torch.equal(context_mask(anchors, 6, window=2), torch.tensor([  # the last 2 rows before the anchor
+    assert torch.equal(context_mask(anchors, 6, window=2)[:, 0], torch.tensor([  # the last 2 rows before the anchor
         [1, 1, 0, 0, 0, 0],
         [0, 0, 1, 1, 0, 0],
         [0, 0, 0, 1, 1, 0],
     ], dtype=torch.bool))
+
+
+def test_causal_masks_match_hand_built_masks():
+    """A causal layer with window 3: query i at anchor + i sees the keys k with anchor + i - k < 3."""
+    anchors = torch.tensor([2, 4])
+    assert torch.equal(context_mask(anchors, 6, window=3, causal_block=3), torch.tensor([
+        [[1, 1, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]],  # anchor 2, queries at 2, 3, 4
+        [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]],  # anchor 4, queries at 4, 5, 6
+    ], dtype=torch.bool))
+    assert torch.equal(context_mask(anchors, 6, causal_block=3), context_mask(anchors, 6))  # no window: all before
+    assert torch.equal(block_mask(3, window=2), torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool))
+    assert torch.equal(block_mask(3), torch.ones(3, 3, dtype=torch.bool).tril())
 
 
 def test_labels_line_up_with_slots():
@@ -80,7 +92,7 @@ def test_training_forward_equals_the_inference_draft_step(sliding_window):
     torch.manual_seed(0)
     d = DFlashDrafter.from_target(tiny_target_config(), num_layers=2, block_size=4)
     c, S = d.config, 20
-    if sliding_window:  # layer 0 sees the last 5 context rows, layer 1 all of them
+    if sliding_window:  # layer 0 causal over a window of 5, layer 1 bidirectional over everything
         c.sliding_window, c.layer_types = sliding_window, ["sliding_attention", "full_attention"]
     feats = torch.randn(S, len(c.target_layer_ids) * c.hidden_size)
     anchors, emb = torch.tensor([3, 7, 12, 16]), torch.randn(4, 4, c.hidden_size)
