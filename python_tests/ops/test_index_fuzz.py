@@ -10,14 +10,19 @@ import sys
 
 import pytest
 
+import dflash_ext
 from python_tests.helpers import DEVICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The child imports the dflash_ext this process tests (a worktree's in-place build, not
+# another one the interpreter would find first).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dflash_ext.__file__)))
 
 
 def run_child(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "index_fuzz_cases.py"), *args], cwd=HERE,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     lines = proc.stdout.splitlines()
     if proc.returncode != 0:
         last = next((l for l in reversed(lines) if l.startswith("CASE ")), "no case started")
