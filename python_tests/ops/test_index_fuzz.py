@@ -1,5 +1,5 @@
 """Every int64 value of every index argument (positions, slots, cache_offsets, cache_lens,
-window) either computes what the reference computes or raises a RuntimeError naming the
+window, the last with causal off and on) either computes what the reference computes or raises a RuntimeError naming the
 argument, and never touches memory outside the tensors: near 0, S, P, 2^31, 2^62 and
 2^63-1, their negatives, and sums that overflow int64. The cases run in child processes
 (python_tests/ops/index_fuzz_cases.py) so that an out-of-bounds crash fails the test."""
