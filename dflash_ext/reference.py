@@ -85,8 +85,8 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_
         else:  # the last `window` context rows (all when 0) and every block key
             visible = (key_pos >= n - window if window > 0 else key_pos >= 0).expand(Bq, -1)
         seen = visible.any(0).to(q.device)  # [n + Bq]: keys some query sees
-        k = torch.cat([k_cache[off:off + n], k_block[b]])[seen].to(compute_dtype)  # [L, Hkv, D]
-        v = torch.cat([v_cache[off:off + n], v_block[b]])[seen].to(compute_dtype)
+        k = torch.cat([k_cache[off:off + n][seen[:n]], k_block[b][seen[n:]]]).to(compute_dtype)  # [L, Hkv, D]
+        v = torch.cat([v_cache[off:off + n][seen[:n]], v_block[b][seen[n:]]]).to(compute_dtype)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[b].to(compute_dtype), k) * scale
         s = s.masked_fill(~visible.to(q.device)[:, seen], float("-inf"))
