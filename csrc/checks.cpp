@@ -174,7 +174,7 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
 }
 
 void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
-                        int64_t max_context) {
+                        bool causal, int64_t max_context) {
   const auto off = offsets_cpu.contiguous();
   const auto len = lens_cpu.contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
@@ -185,10 +185,10 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
     // l <= S - o, never o + l <= S: the sum of two int64 values can overflow (UB, wraps negative).
     TORCH_CHECK(o[b] <= S && l[b] <= S - o[b], "context of sequence ", b, " (cache_offsets[", b, "] = ", o[b],
                 ", cache_lens[", b, "] = ", l[b], ") runs past the end of the cache (S=", S, " rows)");
-    const int64_t visible = visible_context(l[b], window);
+    const int64_t visible = visible_context(l[b], window, causal);
     TORCH_CHECK(max_context < 0 || visible <= max_context, "sequence ", b, " sees ", visible,
-                " context rows (cache_lens[", b, "] = ", l[b], ", window ", window, ") but max_context is ",
-                max_context);
+                " context rows (cache_lens[", b, "] = ", l[b], ", window ", window, causal ? ", causal" : "",
+                ") but max_context is ", max_context);
   }
 }
 

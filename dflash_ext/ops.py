@@ -46,22 +46,34 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
 def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_offsets: torch.Tensor,
                     cache_lens: torch.Tensor, scale: float, window: int = 0, max_context: int = -1,
-                    validate: bool = True) -> torch.Tensor:
-    """Non-causal attention of each sequence's Bq block queries over its cached context
-    rows ``cache_offsets[b] .. cache_offsets[b] + cache_lens[b] - 1`` (the last ``window``
-    of them when ``window > 0``) followed by its own Bq block rows. GQA: query head h
-    uses KV head ``h // (Hq // Hkv)``. Returns ``[Bsz, Bq, Hq, D]``.
+                    validate: bool = True, causal: bool = False) -> torch.Tensor:
+    """Attention of each sequence's Bq block queries over its cached context rows
+    ``cache_offsets[b] .. cache_offsets[b] + cache_lens[b] - 1`` followed by its own Bq block
+    rows. GQA: query head h uses KV head ``h // (Hq // Hkv)``. Returns ``[Bsz, Bq, Hq, D]``.
 
-    ``max_context`` (>= 0) promises that no sequence sees more context rows than that; on
-    CUDA the split-KV plan is sized from it instead of from the lens, so a captured graph
-    stays valid as contexts grow (-1: no bound). ``validate=True`` checks the ranges
-    (offsets >= 0, lens >= 0, offset + len <= S, visible rows <= max_context) and raises;
-    on CUDA that reads them on the host (a sync). ``validate=False`` reads nothing there:
-    a range is then clamped to the cache (offset to [0, S], len to [0, S - offset]) and a
-    sequence sees at most ``max_context`` (else S) of its last rows. The CPU always validates.
+    Positions: with ``n = cache_lens[b]``, context row r (0-based within the sequence's
+    range) is at position r, block key j at ``n + j`` and block query i at ``n + i``.
+    ``causal=False``: every query sees the last ``window`` context rows (all when
+    ``window == 0``) and all Bq block rows. ``causal=True``: the query at position p sees
+    the key at position k iff ``k <= p`` and (``window == 0`` or ``p - k < window``), the
+    causal sliding window over the context followed by the block. A query may then see no
+    context row (and, with ``window < Bq``, not every earlier block key), never no key: it
+    always sees itself.
+
+    ``max_context`` (>= 0) promises that no sequence sees more context rows than that,
+    counting the rows its queries see together: the last ``min(n, window)``, or causal the
+    first query's, the last ``min(n, window - 1)`` (all n when ``window == 0``). Causal never
+    counts more than non-causal, so a bound planned for non-causal attention holds. On CUDA
+    the split-KV plan is sized from it instead of from the lens, so a captured graph stays
+    valid as contexts grow (-1: no bound). ``validate=True`` checks the ranges (offsets
+    >= 0, lens >= 0, offset + len <= S, those visible rows <= max_context) and raises; on
+    CUDA that reads them on the host (a sync). ``validate=False`` reads nothing there: a
+    range is then clamped to the cache (offset to [0, S], len to [0, S - offset]) and a
+    sequence sees at most ``max_context`` (else S) of its last rows (causal: the rule above
+    within them). The CPU always validates.
     """
     return _ops.block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens,
-                                float(scale), int(window), int(max_context), bool(validate))
+                                float(scale), int(window), int(max_context), bool(validate), bool(causal))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -108,7 +120,7 @@ def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, po
 
 @torch.library.register_fake("dflash_ext::block_attention")
 def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
-                          window=0, max_context=-1, validate=True):
+                          window=0, max_context=-1, validate=True, causal=False):
     _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
                       cache_offsets=cache_offsets, cache_lens=cache_lens)
     return torch.empty_like(q, memory_format=torch.contiguous_format)

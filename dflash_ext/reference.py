@@ -68,25 +68,28 @@ def inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, position
 def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale: float,
                     window: int = 0, causal: bool = False,
                     compute_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
-    # TEMPORARY (drafter-causal branch): `causal` as the op's spec states it, so the drafter
-    # runs before the op helper's version of this file lands; theirs replaces it at merge.
+    """The rule of ops.block_attention as an explicit boolean mask over positions: context
+    row r at r, block key j at n + j, block query i at n + i (n = cache_lens[b]). Keys that
+    no query sees are dropped before any math, as the op never reads them."""
     Bsz, Bq, Hq, D = q.shape
     group = Hq // k_block.shape[2]
     out = torch.empty_like(q)
     for b in range(Bsz):
         off, n = int(cache_offsets[b]), int(cache_lens[b])
-        start = off + max(0, n - window) if window > 0 else off
-        k = torch.cat([k_cache[start:off + n], k_block[b]]).to(compute_dtype)  # [L, Hkv, D]
-        v = torch.cat([v_cache[start:off + n], v_block[b]]).to(compute_dtype)
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        s = torch.einsum("ihd,jhd->hij", q[b].to(compute_dtype), k) * scale
-        if causal:  # query at n + i sees key position k <= n + i, and n + i - k < window
-            key_pos = torch.arange(start - off, n + Bq, device=q.device)[None, :]
-            query_pos = torch.arange(n, n + Bq, device=q.device)[:, None]
+        key_pos = torch.arange(n + Bq)[None, :]  # [1, n + Bq]: the context rows, then the block
+        query_pos = n + torch.arange(Bq)[:, None]  # [Bq, 1]
+        if causal:
             visible = key_pos <= query_pos
             if window > 0:
                 visible &= query_pos - key_pos < window
-            s = s.masked_fill(~visible, float("-inf"))
+        else:  # the last `window` context rows (all when 0) and every block key
+            visible = (key_pos >= n - window if window > 0 else key_pos >= 0).expand(Bq, -1)
+        seen = visible.any(0).to(q.device)  # [n + Bq]: keys some query sees
+        k = torch.cat([k_cache[off:off + n][seen[:n]], k_block[b][seen[n:]]]).to(compute_dtype)  # [L, Hkv, D]
+        v = torch.cat([v_cache[off:off + n][seen[:n]], v_block[b][seen[n:]]]).to(compute_dtype)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[b].to(compute_dtype), k) * scale
+        s = s.masked_fill(~visible.to(q.device)[:, seen], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out[b] = torch.einsum("hij,jhd->ihd", p, v).to(q.dtype)
     return out

@@ -133,4 +133,4 @@ def check_inject(inp: InjectInputs, op: Callable = dflash_ext.inject_context_kv)
 
 
 def check_attention(inp: AttentionInputs, op: Callable = dflash_ext.block_attention) -> torch.Tensor:
-    return check_op(op, reference.block_attention, *inp.args())
+    return check_op(op, reference.block_attention, *inp.args(), causal=inp.causal)

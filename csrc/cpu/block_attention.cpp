@@ -1,5 +1,6 @@
-// CPU block_attention: non-causal attention of a block of Bq queries per sequence over
-// that sequence's cached context rows followed by its own Bq block rows.
+// CPU block_attention: attention of a block of Bq queries per sequence over that
+// sequence's cached context rows followed by its own Bq block rows, non-causal or causal
+// (the rules in dflash/window.h).
 //
 // GQA packing: the Bq x group query rows that share one KV head form one M-tile, so
 // every K/V row is read once per KV head. Work items are (sequence, KV head, split):
@@ -10,6 +11,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "cpu_utils.h"
 #include "isa.h"
@@ -30,23 +32,27 @@ struct KeyRun {
   int64_t rows, ld;
 };
 
-// Online softmax of one row of scores s[0, n): turns s into exp(s - m_new), updates the
-// running max m and sum l, and returns the factor by which the old output must be scaled.
-inline float online_softmax_row(float* s, int64_t n, float& m, float& l) {
+// Online softmax of one row of scores s[0, n) whose query sees the keys [lo, hi): turns
+// s into exp(s - m_new) there and 0 elsewhere, updates the running max m and sum l, and
+// returns the factor by which the old output must be scaled (1 when it sees none of them).
+inline float online_softmax_row(float* s, int64_t lo, int64_t hi, int64_t n, float& m, float& l) {
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + std::max(lo, hi), s + n, 0.f);
+  if (lo >= hi) return 1.f;  // causal: a tile wholly outside this query's keys
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
   const float m_new = std::max(m, mx);
   const float alpha = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
   const Vec shift(m_new);
   Vec acc(0.f);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
+  int64_t j = lo;
+  for (; j + Vec::size() <= hi; j += Vec::size()) {
     const Vec p = (Vec::loadu(s + j) - shift).exp_u20();
     p.store(s + j);
     acc = acc + p;
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; j < n; ++j) {
+  for (; j < hi; ++j) {
     s[j] = std::exp(s[j] - m_new);
     sum += s[j];
   }
@@ -59,7 +65,7 @@ template <typename T>
 void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
                           const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const int64_t* offsets, const int64_t* lens, float scale, int64_t window,
-                          at::Tensor& out, const BlockAttentionDims& d) {
+                          bool causal, at::Tensor& out, const BlockAttentionDims& d) {
   const int64_t Bq = d.Bq, D = d.D, Hkv = d.Hkv, group = d.Hq / d.Hkv, M = Bq * group;
   const int64_t ld = Hkv * D;  // row stride of every K/V source
 
@@ -67,7 +73,7 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
   std::vector<int64_t> ctx_begin(d.Bsz), ctx_len(d.Bsz);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    ctx_len[b] = visible_context(lens[b], window);
+    ctx_len[b] = visible_context(lens[b], window, causal);
     ctx_begin[b] = offsets[b] + lens[b] - ctx_len[b];
     max_keys = std::max(max_keys, ctx_len[b] + Bq);
   }
@@ -109,6 +115,9 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
       std::fill(l.begin(), l.end(), 0.f);
 
       // The virtual key sequence is [context rows ; block rows]; walk its slice [key0, key1).
+      // Key t of it is at position t and query i at ctx_len[b] + i (window.h, shifted to
+      // the first visible row). The M-tile's queries together see every key, so causal
+      // masks scores per row (online_softmax_row's range) and skips no tile.
       const KeyRun<T> runs[2] = {
           {k_cache.data_ptr<T>() + ctx_begin[b] * ld + h * D,
            v_cache.data_ptr<T>() + ctx_begin[b] * ld + h * D, ctx_len[b], ld},
@@ -116,15 +125,21 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
            Bq, ld}};
       int64_t run_start = 0;
       for (const KeyRun<T>& run : runs) {
-        const int64_t lo = std::max(key0, run_start) - run_start;
-        const int64_t hi = std::min(key1, run_start + run.rows) - run_start;
+        const int64_t base = run_start;  // the run's first key
+        const int64_t lo = std::max(key0, base) - base, hi = std::min(key1, base + run.rows) - base;
         run_start += run.rows;
         for (int64_t j0 = lo; j0 < hi; j0 += kKeyTile) {
-          const int64_t n = std::min(kKeyTile, hi - j0);
+          const int64_t n = std::min(kKeyTile, hi - j0), t0 = base + j0;  // the tile's first key
           const F32Rows kt = rows_as_f32(run.k + j0 * run.ld, n, D, run.ld, k_buf);
           gemm_nt(M, n, D, qf.data(), D, kt.ptr, kt.ld, 0.f, s.data(), kKeyTile);
           for (int64_t r = 0; r < M; ++r) {
-            const float alpha = online_softmax_row(s.data() + r * kKeyTile, n, m[r], l[r]);
+            int64_t seen_lo = 0, seen_hi = n;
+            if (causal) {
+              const int64_t p = ctx_len[b] + r / group;
+              seen_lo = std::clamp<int64_t>(causal_first_key(p, window) - t0, 0, n);
+              seen_hi = std::clamp<int64_t>(p + 1 - t0, 0, n);
+            }
+            const float alpha = online_softmax_row(s.data() + r * kKeyTile, seen_lo, seen_hi, n, m[r], l[r]);
             if (alpha != 1.f) scale_row(o.data() + r * D, alpha, D);
           }
           const F32Rows vt = rows_as_f32(run.v + j0 * run.ld, n, D, run.ld, v_buf);
@@ -174,27 +189,46 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
   });
 }
 
+// Causal: the additive mask [Bq x group query rows, keys] of the queries at positions
+// q0 + i over the keys at positions k0 + j (0 where seen, -inf where not).
+at::Tensor causal_mask(int64_t Bq, int64_t group, int64_t q0, int64_t k0, int64_t keys, int64_t window) {
+  at::Tensor mask = at::empty({Bq * group, keys}, at::kFloat);
+  float* m = mask.data_ptr<float>();
+  for (int64_t i = 0; i < Bq; ++i)
+    for (int64_t j = 0; j < keys; ++j)
+      m[i * group * keys + j] = sees_key(q0 + i, k0 + j, window, true) ? 0.f : -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < Bq; ++i)  // the group's rows of query i repeat its row
+    for (int64_t r = 1; r < group; ++r) std::copy_n(m + i * group * keys, keys, m + (i * group + r) * keys);
+  return mask;
+}
+
 // The flash path: per sequence, ATen's CPU flash attention (bf16 dot products / AMX tiles
 // where the CPU has them) once over the context rows and once over the block rows, both
 // strided views of the caches (no concatenation), merged by their log-sum-exp. The Bq x
 // group queries of one KV head are its query rows, so the kernel sees Hkv heads (GQA).
+// Causal, both calls take an additive mask (window.h's rule); a query that sees no context
+// row (window <= its block index) takes the block call alone.
 void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
                            const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const int64_t* offsets, const int64_t* lens, double scale, int64_t window,
-                           at::Tensor& out, const BlockAttentionDims& d) {
+                           bool causal, at::Tensor& out, const BlockAttentionDims& d) {
   const int64_t Bq = d.Bq, D = d.D, Hkv = d.Hkv, group = d.Hq / d.Hkv, M = Bq * group;
   const auto heads_first = [&](const at::Tensor& rows) { return rows.permute({1, 0, 2}).unsqueeze(0); };
+  // Positions counted from the first visible context row: query i at n + i, block key j at n + j.
+  using Mask = std::optional<at::Tensor>;
   for (int64_t b = 0; b < d.Bsz; ++b) {
+    const int64_t n = visible_context(lens[b], window, causal);
     const at::Tensor qh = q[b].view({Bq, Hkv, group, D}).permute({1, 0, 2, 3}).reshape({1, Hkv, M, D});
-    auto block = at::_scaled_dot_product_flash_attention_for_cpu(qh, heads_first(k_block[b]),
-                                                                 heads_first(v_block[b]), 0.0, false, {}, scale);
+    auto block = at::_scaled_dot_product_flash_attention_for_cpu(
+        qh, heads_first(k_block[b]), heads_first(v_block[b]), 0.0, false,
+        causal ? Mask(causal_mask(Bq, group, n, n, Bq, window)) : Mask(), scale);
     at::Tensor o = std::get<0>(block);  // [1, Hkv, M, D]
-    const int64_t n = visible_context(lens[b], window);
     if (n > 0) {
       const int64_t start = offsets[b] + lens[b] - n;
+      // window 0: every query sees the whole context, no mask
       auto ctx = at::_scaled_dot_product_flash_attention_for_cpu(
-          qh, heads_first(k_cache.narrow(0, start, n)), heads_first(v_cache.narrow(0, start, n)), 0.0, false, {},
-          scale);
+          qh, heads_first(k_cache.narrow(0, start, n)), heads_first(v_cache.narrow(0, start, n)), 0.0, false,
+          causal && window > 0 ? Mask(causal_mask(Bq, group, n, 0, n, window)) : Mask(), scale);
       // softmax over both key sets = each part's softmax weighted by exp(lse_part - lse_all)
       const at::Tensor o_c = std::get<0>(ctx).contiguous(), o_b = o.contiguous();
       const at::Tensor lse_b = std::get<1>(block).to(at::kFloat).contiguous();
@@ -206,9 +240,12 @@ void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const
         float* dst = merged.data_ptr<float>();
         std::vector<float> row(D);
         for (int64_t r = 0; r < Hkv * M; ++r) {
+          to_float(pb + r * D, dst + r * D, D);
+          // Causal, a query may see no context row: ATen's output for a row with every key
+          // masked (0, lse 0 rather than -inf) must not be merged, so tell such rows by position.
+          if (causal && causal_first_key(n + (r % M) / group, window) >= n) continue;
           const float mx = std::max(lb[r], lc[r]);
           const float wb = std::exp(lb[r] - mx), wc = std::exp(lc[r] - mx), inv = 1.f / (wb + wc);
-          to_float(pb + r * D, dst + r * D, D);
           to_float(pc + r * D, row.data(), D);
           at::vec::map2<float>([=](Vec x, Vec y) { return (x * Vec(wb) + y * Vec(wc)) * Vec(inv); },
                                dst + r * D, dst + r * D, row.data(), D);
@@ -224,28 +261,28 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
                                const at::Tensor& v_block, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                const at::Tensor& cache_lens, double scale, int64_t window,
-                               int64_t max_context, bool /*validate*/) {
+                               int64_t max_context, bool /*validate*/, bool causal) {
   const BlockAttentionDims d = check_block_attention(q, k_block, v_block, k_cache, v_cache,
                                                      cache_offsets, cache_lens, scale, window, max_context);
   // Always validated on the CPU: the values are in host memory, reading them costs nothing.
-  check_cache_ranges(cache_offsets, cache_lens, d.S, window, max_context);
+  check_cache_ranges(cache_offsets, cache_lens, d.S, window, causal, max_context);
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (out.numel() == 0) return out;
   const at::Tensor off = cache_offsets.contiguous(), len = cache_lens.contiguous();
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    max_keys = std::max(max_keys, visible_context(len.data_ptr<int64_t>()[b], window) + d.Bq);
+    max_keys = std::max(max_keys, visible_context(len.data_ptr<int64_t>()[b], window, causal) + d.Bq);
   }
   if (attention_path(q.scalar_type(), max_keys, d.Bq * (d.Hq / d.Hkv)) == AttentionPath::flash) {
     flash_block_attention(qc, k_block, v_block, k_cache, v_cache, off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
-                          scale, window, out, d);
+                          scale, window, causal, out, d);
     return out;
   }
   DFLASH_DISPATCH_FLOATING(q.scalar_type(), "block_attention", [&] {
     block_attention_impl<scalar_t>(qc, k_block.contiguous(), v_block.contiguous(), k_cache, v_cache,
                                    off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
-                                   static_cast<float>(scale), window, out, d);
+                                   static_cast<float>(scale), window, causal, out, d);
   });
   return out;
 }

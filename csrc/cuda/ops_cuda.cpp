@@ -170,20 +170,21 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
                                 const at::Tensor& v_block, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                 const at::Tensor& cache_lens, double scale, int64_t window,
-                                int64_t max_context, bool validate) {
+                                int64_t max_context, bool validate, bool causal) {
   const auto d = check_block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets,
                                        cache_lens, scale, window, max_context);
   // The split plan covers max_context visible rows: given, it is a static bound (a graph
   // replayed over a growing context stays correct); else, validating, the longest visible
-  // context read on the host; else the whole cache.
+  // context read on the host; else the whole cache. (planned_context counts non-causal
+  // rows, a bound for causal too: causal sees one row fewer.)
   int64_t planned = planned_context(max_context, window, d.S);
   if (validate) {
     const auto offsets_cpu = cache_offsets.cpu().contiguous(), lens_cpu = cache_lens.cpu().contiguous();
-    check_cache_ranges(offsets_cpu, lens_cpu, d.S, window, max_context);
+    check_cache_ranges(offsets_cpu, lens_cpu, d.S, window, causal, max_context);
     if (max_context < 0) {
       planned = 0;
       const int64_t* lens = lens_cpu.data_ptr<int64_t>();
-      for (int64_t b = 0; b < d.Bsz; ++b) planned = std::max(planned, visible_context(lens[b], window));
+      for (int64_t b = 0; b < d.Bsz; ++b) planned = std::max(planned, visible_context(lens[b], window, causal));
     }
   }
   const c10::cuda::CUDAGuard guard(q.device());
@@ -207,6 +208,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   p.D = narrow(d.D, "D");
   p.S = d.S;
   p.window = window;
+  p.causal = causal;
   p.max_context = planned;
   // + one key tile of headroom: the plan rounds splits up to whole tiles in int
   p.max_keys = narrow(planned + d.Bq + 64, "context + Bq keys per sequence") - 64;

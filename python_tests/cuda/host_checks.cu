@@ -128,6 +128,11 @@ void check_plans() {
           CHECK(p.splits == 1 || p.keys_per_split >= kAttnMinKeysPerSplit, "a split of %d keys", p.keys_per_split);
           CHECK(p.tile_counter_count == int64_t(bsz) * p.Hkv * ((bq * 4 + kAttnBM - 1) / kAttnBM),
                 "tile counters %lld", (long long)p.tile_counter_count);
+          BlockAttentionParams c = p;  // causal masks scores only: the same schedule
+          c.causal = true;
+          CHECK(block_attention_plan(c, dev) && c.splits == p.splits && c.keys_per_split == p.keys_per_split,
+                "causal attention plans %d splits of %d keys, non-causal %d of %d", c.splits, c.keys_per_split,
+                p.splits, p.keys_per_split);
         }
   // block_attention: path choice
   auto attention_tc = [](DType dtype, int D, uintptr_t q, const DeviceLimits& dev) {

@@ -67,7 +67,8 @@ def test_every_op_has_tensor_core_and_simt_kernels_for_every_arch(sass, arch, op
     namespace = f"{len(arch)}{arch}"  # Itanium mangling of the per-arch namespace
     tc = _kernels(sass, ARCHES[arch], rf"{namespace}\d+{op}_tc_kernel")
     simt = _kernels(sass, ARCHES[arch], rf"{namespace}\d+{op}_simt_kernel")
-    expected_tc = 4 if op != "project_features" else 2  # (bf16, fp16) x head dims {64, 128}
+    # (bf16, fp16) x head dims {64, 128}, and block_attention's x causal {false, true}
+    expected_tc = {"project_features": 2, "inject_context_kv": 4, "block_attention": 8}[op]
     assert len(tc) == expected_tc, f"{op} tensor-core kernels for {arch}: {sorted(tc)}"
     assert len(simt) == 3, f"{op} SIMT kernels for {arch} (fp32, bf16, fp16): {sorted(simt)}"
 

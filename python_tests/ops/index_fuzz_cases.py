@@ -33,7 +33,7 @@ S_ATT, D_, HKV = 10, 8, 2
 T_INJ, H_INJ, N_INJ, S_INJ, P_INJ = 3, 16, 2, 6, 7
 
 
-def attention_case(offset, length, window, device="cpu"):
+def attention_case(offset, length, window, causal=False, device="cpu"):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 4, D_, generator=g).to(device)
     kb, vb = (torch.randn(1, 2, HKV, D_, generator=g).to(device) for _ in range(2))
@@ -43,7 +43,7 @@ def attention_case(offset, length, window, device="cpu"):
     lens = torch.tensor([length], device=device)
     valid = 0 <= offset <= S_ATT and 0 <= length <= S_ATT - offset and window >= 0
     try:
-        out = dflash_ext.block_attention(q, kb, vb, kc, vc, offsets, lens, 0.3, window)
+        out = dflash_ext.block_attention(q, kb, vb, kc, vc, offsets, lens, 0.3, window, causal=causal)
     except RuntimeError as e:
         msg = str(e)
         named = ("window" in msg) if window < 0 else ("cache_offsets" in msg or "cache_lens" in msg)
@@ -53,7 +53,7 @@ def attention_case(offset, length, window, device="cpu"):
         if not valid:
             result = "invalid input accepted"
         else:
-            ref = reference.block_attention(q, kb, vb, kc, vc, offsets, lens, 0.3, window)
+            ref = reference.block_attention(q, kb, vb, kc, vc, offsets, lens, 0.3, window, causal)
             result = "match" if torch.allclose(out, ref, rtol=1e-4, atol=1e-5) else "mismatch"
     if not (torch.equal(kc, before[0]) and torch.equal(vc, before[1])):
         result += " + cache changed"
@@ -103,7 +103,8 @@ def attention_cases():
         yield ("attention", o, l, 0)
     for w in extremes(S_ATT):
         for o, l in ((0, S_ATT), (3, 4), (I64_MAX, 5), (5, I64_MAX)):
-            yield ("attention", o, l, w)
+            for causal in (False, True):
+                yield ("attention", o, l, w, causal)
 
 
 def inject_cases():
@@ -129,7 +130,7 @@ def run_hypothesis(n, device):
 
     i64 = st.one_of(st.integers(I64_MIN, I64_MAX), st.sampled_from(extremes(S_ATT, S_INJ, P_INJ)),
                     st.integers(-2, 12))
-    att = st.tuples(st.just("attention"), i64, i64, st.one_of(st.just(0), i64))
+    att = st.tuples(st.just("attention"), i64, i64, st.one_of(st.just(0), i64), st.booleans())
     inj = st.tuples(st.just("inject"), st.lists(i64, min_size=3, max_size=3),
                     st.lists(st.one_of(i64, st.integers(-1, S_INJ - 1)), min_size=3, max_size=3))
 

@@ -156,6 +156,9 @@ BAD = [
     ("block_attention", "offset_past_end_len0", lambda a: a.update(cache_offsets=torch.tensor([0, ATT_S + 1]), cache_lens=torch.tensor([9, 0])),
      r"cache_offsets\[1\].*past the end"),
     ("block_attention", "window_negative", lambda a: a.update(window=-1), "window"),
+    ("block_attention", "window_negative_causal", lambda a: a.update(window=-1, causal=True), "window"),
+    ("block_attention", "context_past_end_causal", lambda a: a.update(cache_offsets=torch.tensor([0, 5]), cache_lens=torch.tensor([9, ATT_S - 4]), causal=True),
+     r"cache_offsets\[1\].*cache_lens\[1\].*past the end"),
     ("block_attention", "scale_nan", lambda a: a.update(scale=float("nan")), "scale"),
     ("block_attention", "scale_inf", lambda a: a.update(scale=float("inf")), "scale"),
     # --- skinny_linear ----------------------------------------------------------------

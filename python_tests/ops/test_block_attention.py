@@ -1,4 +1,5 @@
-"""block_attention against reference.block_attention.
+"""block_attention against reference.block_attention, non-causal and causal; causal also
+against F.scaled_dot_product_attention(is_causal=True) and a per-query loop of slices.
 
 Every cache row the op must not read (outside each sequence's windowed context) is NaN,
 so an out-of-range read shows up as a NaN output."""
@@ -6,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dflash_ext
@@ -73,19 +75,21 @@ def test_empty_context_at_cache_end(dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", ["default", "many"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
     ([3000], 16, 4, 4, 128, 0),
     ([3100], 1, 9, 3, 64, 0),
     ([3000], 16, 32, 8, 64, 2500),
     ([3100, 0, 17], 1, 4, 4, 64, 0),  # short sequences get empty splits
+    ([3100, 0, 17], 16, 9, 3, 64, 0),  # causal: splits of the block that its first queries see none of
     ([2000, 5000], 16, 9, 3, 128, 0),
 ])
-def test_long_context_splits(lens, Bq, Hq, Hkv, D, window, threads, dtype, device, request):
+def test_long_context_splits(lens, Bq, Hq, Hkv, D, window, causal, threads, dtype, device, request):
     """Long contexts (> kMinSplitKeys keys per split) take the split-KV path; with 16
     threads the CPU kernel splits even with many KV heads on a 2-core machine."""
     if threads == "many":
         request.getfixturevalue("many_threads")
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=causal, dtype=dtype,
                                           device=device, seed=sum(lens) + Bq, q_std=1.0))
 
 
@@ -158,17 +162,17 @@ def test_blas_fallback(lens, Bq, Hq, Hkv, D, window, dtype, blas_fallback, many_
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=4), Bq=st.integers(1, 17),
        Hkv=st.integers(1, 4), group=st.integers(1, 4), D=st.sampled_from([1, 3, 8, 20, 64, 128]),
-       window=st.one_of(st.just(0), st.integers(1, 800)), threads=st.sampled_from([1, 2, 16]),
-       seed=st.integers(0, 2**31 - 1))
-def test_property_fp32(lens, Bq, Hkv, group, D, window, threads, seed):
-    inp = make_attention_inputs(lens, Bq, Hkv * group, Hkv, D, window=window, seed=seed, q_std=1.0)
+       window=st.one_of(st.just(0), st.integers(1, 20), st.integers(1, 800)), causal=st.booleans(),
+       threads=st.sampled_from([1, 2, 16]), seed=st.integers(0, 2**31 - 1))
+def test_property_fp32(lens, Bq, Hkv, group, D, window, causal, threads, seed):
+    inp = make_attention_inputs(lens, Bq, Hkv * group, Hkv, D, window=window, causal=causal, seed=seed, q_std=1.0)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = dflash_ext.block_attention(*inp.args())
+        out = dflash_ext.block_attention(*inp.args(), causal=causal)
     finally:
         torch.set_num_threads(prev)
-    assert_close(out, reference.block_attention(*inp.args()))
+    assert_close(out, reference.block_attention(*inp.args(), causal=causal))
 
 
 CUDA_HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -205,26 +209,165 @@ def test_cuda_head_dim_above_256_is_an_error():
         dflash_ext.block_attention(*inp.args())
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", CASES[:6])
-def test_every_cpu_isa_path(lens, Bq, Hq, Hkv, D, window, dtype, cpu_isa_level):
+def test_every_cpu_isa_path(lens, Bq, Hq, Hkv, D, window, dtype, causal, cpu_isa_level):
     """Each dispatch path this CPU can take (forced lower levels included) meets the reference."""
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=causal, dtype=dtype,
                                           seed=len(lens) + Bq + window + 1))
 
 
 # Shapes on both sides of the CPU path rule (flash at >= 1024 keys or >= 32 query rows per
-# KV head, where bf16 has bf16 units): long ragged contexts with an empty one, a window, GQA.
+# KV head, where bf16 has bf16 units): long ragged contexts with an empty one, a window, GQA;
+# windows under Bq (causal: the later queries see no context row, only block keys).
 FLASH_CASES = [
     ([1500, 0, 1100], 4, 9, 3, 64, 0),
     ([1200], 16, 9, 3, 64, 1100),
     ([40, 3], 16, 8, 2, 128, 0),
     ([1000], 2, 4, 4, 64, 0),
+    ([40, 3, 0], 16, 8, 2, 128, 5),
+    ([1300, 2], 16, 4, 2, 64, 1),
 ]
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", FLASH_CASES)
-def test_long_contexts_and_many_queries(lens, Bq, Hq, Hkv, D, window, dtype, cpu_isa_level):
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype,
+def test_long_contexts_and_many_queries(lens, Bq, Hq, Hkv, D, window, dtype, causal, cpu_isa_level):
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=causal, dtype=dtype,
                                           seed=sum(lens) + Bq))
+
+
+# --------------------------------------------------------------------------- causal
+# (lens, Bq, Hq, Hkv, D, window): no context, windows 1 and 3, under / equal to / over Bq,
+# over n, n = window - 1 (the first query sees the whole context), ragged batches, GQA.
+CAUSAL_CASES = [
+    ([0], 1, 4, 4, 64, 0),
+    ([0], 16, 9, 3, 64, 0),
+    ([0, 0], 6, 4, 2, 64, 3),
+    ([7], 1, 4, 4, 64, 0),
+    ([7], 1, 4, 4, 64, 3),
+    ([5], 16, 8, 2, 64, 3),
+    ([300], 16, 32, 8, 64, 1),
+    ([300, 0, 7, 64], 4, 9, 3, 64, 3),
+    ([2], 8, 4, 4, 128, 5),
+    ([100, 1, 40], 16, 8, 2, 128, 20),
+    ([10, 3], 5, 4, 2, 64, 400),
+    ([290, 17], 12, 12, 4, 64, 0),
+    ([64, 65], 16, 4, 4, 64, 16),
+    ([63], 3, 6, 3, 20, 64),
+    ([299, 0, 150], 16, 32, 4, 128, 150),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", CAUSAL_CASES)
+def test_causal_cases(lens, Bq, Hq, Hkv, D, window, causal, dtype, device):
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=causal, dtype=dtype,
+                                          device=device, seed=sum(lens) + Bq + window))
+
+
+def sdpa_causal(q, k, v, scale, compute_dtype):
+    """F.scaled_dot_product_attention(is_causal=True) of [Bsz, Bq, H*, D] tensors, GQA by repeat."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2).to(compute_dtype) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Bsz,Bq,Hq,Hkv,D", [(1, 1, 4, 4, 64), (3, 16, 9, 3, 64), (2, 7, 8, 2, 128), (1, 16, 4, 1, 20)])
+def test_causal_without_context_is_sdpa_is_causal(Bsz, Bq, Hq, Hkv, D, dtype, device):
+    """causal=True, window 0, no context: plain causal attention over the block."""
+    inp = make_attention_inputs([0] * Bsz, Bq, Hq, Hkv, D, causal=True, dtype=dtype, device=device, seed=Bq + D)
+    out = dflash_ext.block_attention(*inp.args(), causal=True)
+    ref32 = sdpa_causal(inp.q, inp.k_block, inp.v_block, inp.scale, torch.float32).to(dtype)
+    lowp = sdpa_causal(inp.q, inp.k_block, inp.v_block, inp.scale, dtype) if dtype != torch.float32 else None
+    assert_close(out, ref32, lowp)
+
+
+def per_query_loop(inp: "dflash_ext.testing.AttentionInputs") -> torch.Tensor:
+    """Causal block_attention one query at a time (fp32): the context rows and block keys it
+    sees sliced by hand from the rule's bounds, then unmasked SDPA over them."""
+    Bsz, Bq, Hq, D = inp.q.shape
+    group, w = Hq // inp.k_block.shape[2], inp.window
+    out = torch.empty(inp.q.shape, dtype=torch.float32, device=inp.q.device)
+    for b in range(Bsz):
+        off, n = int(inp.cache_offsets[b]), int(inp.cache_lens[b])
+        for i in range(Bq):
+            ctx_from = max(0, n + i - w + 1) if w > 0 else 0  # context rows r with n + i - r < w
+            blk_from = max(0, i - w + 1) if w > 0 else 0  # block keys j <= i with i - j < w
+            k = torch.cat([inp.k_cache[off + ctx_from:off + n], inp.k_block[b, blk_from:i + 1]])
+            v = torch.cat([inp.v_cache[off + ctx_from:off + n], inp.v_block[b, blk_from:i + 1]])
+            k, v = (t.float().transpose(0, 1).repeat_interleave(group, dim=0) for t in (k, v))  # [Hq, L, D]
+            qi = inp.q[b, i].float()[:, None]  # [Hq, 1, D]
+            out[b, i] = F.scaled_dot_product_attention(qi, k, v, scale=inp.scale)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", CAUSAL_CASES)
+def test_causal_is_a_per_query_loop_of_slices(lens, Bq, Hq, Hkv, D, window, device):
+    inp = make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=True, device=device, seed=len(lens) + Bq)
+    assert_close(dflash_ext.block_attention(*inp.args(), causal=True), per_query_loop(inp))
+    assert_close(reference.block_attention(*inp.args(), causal=True), per_query_loop(inp), what="reference")
+
+
+def test_causal_differs_where_it_should():
+    """Causal with window 0 changes every query but the last (which sees the whole block), and
+    the first query's output is the same whatever the later block keys hold."""
+    inp = make_attention_inputs([20], 6, 4, 2, 64, seed=11, poison=False)
+    bidir = dflash_ext.block_attention(*inp.args())
+    causal = dflash_ext.block_attention(*inp.args(), causal=True)
+    assert torch.equal(causal[:, -1], bidir[:, -1])
+    assert all(not torch.allclose(causal[:, i], bidir[:, i]) for i in range(5))
+    later = dataclasses.replace(inp, k_block=inp.k_block.clone(), v_block=inp.v_block.clone())
+    later.k_block[:, 1:] += 1.0
+    later.v_block[:, 1:] -= 2.0
+    again = dflash_ext.block_attention(*later.args(), causal=True)
+    torch.testing.assert_close(again[:, 0], causal[:, 0], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", CUDA_HALF)
+@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
+    pytest.param([32768, 1000], 16, 32, 8, 128, 4096, id="qwen3-window"),
+    pytest.param([32768, 5, 20000, 0], 16, 32, 8, 128, 0, id="qwen3-ragged-b4"),
+    pytest.param([40000], 3, 12, 4, 64, 0, id="odd-rows-many-splits"),
+    pytest.param([5000, 3, 0], 16, 32, 4, 128, 8, id="two-row-tiles-window-under-bq"),
+    pytest.param([9000], 16, 16, 2, 64, 1, id="window-1"),
+])
+def test_cuda_causal_long_contexts_many_splits(lens, Bq, Hq, Hkv, D, window, dtype):
+    """Causal on the tensor-core split-KV path: splits some rows see none of, row tiles of
+    several queries (group 8: 2 tiles of 64 rows), windows under Bq."""
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=True, dtype=dtype,
+                                          device="cuda", seed=len(lens) + Bq, q_std=1.0))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", CUDA_HALF)
+@pytest.mark.parametrize("ctas_per_sm", [1, 2, 3])
+def test_cuda_causal_rows_that_see_none_of_a_split(ctas_per_sm, dtype):
+    """A short sequence whose last split holds only block keys past its first two queries:
+    they see none of it (l = 0, lse = -inf in the combine). The split length is the plan
+    rule's for this GPU at an assumed occupancy (the kernel's own is one of these)."""
+    Bq, Hq, Hkv, longest = 16, 8, 2, 20000
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits, tiles = dflash_ext._C._cuda_plan("attention", 2 * Hkv, longest + Bq, 64, sms * ctas_per_sm)
+    assert splits > 1
+    n = tiles * 64 - 2  # its keys past tiles * 64 form a split; queries 0 and 1 see up to n + 1
+    check_attention(make_attention_inputs([longest, n], Bq, Hq, Hkv, 64, causal=True, dtype=dtype, device="cuda",
+                                          seed=ctas_per_sm, q_std=1.0))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [32, 96, 256])
+@pytest.mark.parametrize("window", [0, 3, 300])
+def test_cuda_causal_other_head_dims_take_the_simple_path(D, window, dtype):
+    check_attention(make_attention_inputs([700, 3, 0], 6, 8, 2, D, window=window, causal=True, dtype=dtype,
+                                          device="cuda", seed=D))

@@ -21,15 +21,17 @@ def attention_args():
     return make_attention_inputs([5, 0, 9], 3, 4, 2, 16, window=6, seed=3, poison=False).args()
 
 
-@pytest.mark.parametrize("name,make_args", [
-    ("project_features", lambda: project_args()),
-    ("inject_context_kv", lambda: inject_inputs().args()),
-    ("block_attention", attention_args),
-    ("skinny_linear", lambda: (torch.randn(4, 40), torch.randn(24, 40), torch.randn(24))),
-    ("skinny_linear", lambda: (torch.randn(12, 40), torch.randn(24, 40), None)),
+@pytest.mark.parametrize("name,make_args,kwargs", [
+    ("project_features", lambda: project_args(), {}),
+    ("inject_context_kv", lambda: inject_inputs().args(), {}),
+    ("block_attention", attention_args, {}),
+    ("block_attention", attention_args, {"causal": True}),
+    ("block_attention", attention_args, {"max_context": 9, "validate": False, "causal": True}),
+    ("skinny_linear", lambda: (torch.randn(4, 40), torch.randn(24, 40), torch.randn(24)), {}),
+    ("skinny_linear", lambda: (torch.randn(12, 40), torch.randn(24, 40), None), {}),
 ])
-def test_opcheck(name, make_args):
-    torch.library.opcheck(getattr(ops, name).default, make_args())
+def test_opcheck(name, make_args, kwargs):
+    torch.library.opcheck(getattr(ops, name).default, make_args(), kwargs)
 
 
 def test_compile_project_features():
@@ -57,7 +59,8 @@ def test_compile_inject_context_kv():
     assert not torch.equal(eager.k_cache, inject_inputs().k_cache)  # something was written
 
 
-def test_compile_block_attention():
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_compile_block_attention(causal):
     args = attention_args()
-    fn = torch.compile(lambda *a: dflash_ext.block_attention(*a) * 2, fullgraph=True)
-    torch.testing.assert_close(fn(*args), dflash_ext.block_attention(*args) * 2, rtol=0, atol=0)
+    fn = torch.compile(lambda *a: dflash_ext.block_attention(*a, causal=causal) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(*args), dflash_ext.block_attention(*args, causal=causal) * 2, rtol=0, atol=0)

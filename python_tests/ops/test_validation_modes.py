@@ -1,6 +1,8 @@
 """validate= and max_context= of the ops (ops.py): what validation off means, on every
 device. The CPU always validates; on CUDA validate=False reads no index on the host and
 the kernels' guards keep every access inside the tensors (CUDA cases skip without a GPU)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,11 +35,12 @@ def test_cpu_validates_even_when_told_not_to(slots, positions, match):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("validate", [True, False])
-def test_max_context_above_the_lens_changes_nothing(device, dtype, window, validate):
-    inp = make_attention_inputs([9, 0, 300], 4, 8, 2, 64, window=window, dtype=dtype, device=device)
-    want = dflash_ext.block_attention(*inp.args())
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_max_context_above_the_lens_changes_nothing(device, dtype, window, validate, causal):
+    inp = make_attention_inputs([9, 0, 300], 4, 8, 2, 64, window=window, causal=causal, dtype=dtype, device=device)
+    want = dflash_ext.block_attention(*inp.args(), causal=causal)
     for bound in (300, 301, 4096):
-        got = dflash_ext.block_attention(*inp.args(), max_context=bound, validate=validate)
+        got = dflash_ext.block_attention(*inp.args(), max_context=bound, validate=validate, causal=causal)
         torch.testing.assert_close(got, want, rtol=0, atol=0) if device == "cpu" else \
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
@@ -49,6 +52,10 @@ def test_max_context_below_a_visible_context_raises_when_validating(device):
         dflash_ext.block_attention(*inp.args(), max_context=29)
     inp.window = 20  # the window counts: 20 rows are visible
     dflash_ext.block_attention(*inp.args(), max_context=20)
+    # causal: the first query sees window - 1 = 19 rows, the most any query sees
+    dflash_ext.block_attention(*inp.args(), max_context=19, causal=True)
+    with pytest.raises(RuntimeError, match=r"sequence 1 sees 19 context rows.*causal.*max_context is 18"):
+        dflash_ext.block_attention(*inp.args(), max_context=18, causal=True)
     with pytest.raises(RuntimeError, match="max_context must be"):
         dflash_ext.block_attention(*inp.args(), max_context=-2)
 
@@ -107,3 +114,20 @@ def test_cuda_bad_ranges_without_validation_are_clamped_to_the_cache(dtype):
     got = dflash_ext.block_attention(*inp.args(), max_context=10, validate=False)
     clamped.window = 10
     torch.testing.assert_close(got.float(), reference.block_attention(*clamped.args()).float(), rtol=3e-2, atol=3e-2)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 6, 40])
+def test_cuda_causal_context_above_max_context_without_validation_is_its_last_rows(dtype, window):
+    """Causal, validate=False: a sequence sees its last max_context rows, the rule applied at
+    their true positions (the reference over the range narrowed to those rows)."""
+    inp = make_attention_inputs([9, 30, 3000], 4, 8, 2, 64, window=window, causal=True, dtype=dtype,
+                                device="cuda", poison=False)
+    got = dflash_ext.block_attention(*inp.args(), max_context=10, validate=False, causal=True)
+    lens = inp.cache_lens.cpu()
+    kept = torch.clamp(lens, max=10)
+    narrowed = dataclasses.replace(inp, cache_offsets=inp.cache_offsets + (lens - kept).cuda(), cache_lens=kept.cuda())
+    want = reference.block_attention(*narrowed.args(), causal=True)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)

@@ -8,9 +8,9 @@
 Each case runs the op once and compares it with the fp32 reference (a loose check: the
 tests hold the tolerances; this script is about memory errors). Exits non-zero on a
 mismatch. Paths covered: tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV
-with the combine, empty splits) and the SIMT kernels (fp32, odd shapes); and the index
-guards: bad slots, positions and cache ranges with validate=False (skipped or clamped, so
-memcheck must see no access outside the tensors).
+with the combine, empty splits; block_attention causal too) and the SIMT kernels (fp32,
+odd shapes); and the index guards: bad slots, positions and cache ranges with
+validate=False (skipped or clamped, so memcheck must see no access outside the tensors).
 """
 import sys
 
@@ -60,13 +60,15 @@ def inject_cases():
 
 def attention_cases():
     for dtype in DTYPES:
-        for lens, Bq, Hq, Hkv, D, window in shapes([([100], 16, 4, 1, 64, 0), ([3000, 0, 40], 16, 8, 2, 128, 0),
-                                                    ([5000], 3, 6, 2, 64, 700), ([50, 9], 4, 4, 4, 96, 0)]):
-            inp = make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, dtype=dtype, device="cuda",
-                                        seed=Bq, poison=False)
-            out = dflash_ext.block_attention(*inp.args())
-            compare(f"block_attention {dtype} lens={lens} Bq={Bq} Hq={Hq} Hkv={Hkv} D={D} window={window}",
-                    out, reference.block_attention(*inp.args()))
+        for lens, Bq, Hq, Hkv, D, window, causal in shapes([
+                ([100], 16, 4, 1, 64, 0, False), ([3000, 0, 40], 16, 8, 2, 128, 0, False),
+                ([2000, 5], 16, 8, 2, 64, 6, True),  # causal split-KV: rows that see none of a split
+                ([5000], 3, 6, 2, 64, 700, False), ([50, 9], 4, 4, 4, 96, 0, False), ([50, 9], 4, 4, 4, 96, 3, True)]):
+            inp = make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=causal, dtype=dtype,
+                                        device="cuda", seed=Bq, poison=False)
+            out = dflash_ext.block_attention(*inp.args(), causal=causal)
+            compare(f"block_attention {dtype} lens={lens} Bq={Bq} Hq={Hq} Hkv={Hkv} D={D} window={window} causal={causal}",
+                    out, reference.block_attention(*inp.args(), causal=causal))
 
 
 def unvalidated_bad_index_cases():

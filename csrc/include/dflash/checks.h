@@ -30,8 +30,9 @@ SkinnyLinearDims check_skinny_linear(const at::Tensor& x, const at::Tensor& weig
 void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu,
                           int64_t P, int64_t S);
 // Value checks (host tensors): offsets >= 0, lens >= 0, offset + len <= S, and the
-// visible context (the last `window` rows, 0 = all) at most max_context (>= 0 only).
+// visible context (visible_context in window.h: the rows all queries of a sequence see
+// together) at most max_context (>= 0 only).
 void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
-                        int64_t max_context);
+                        bool causal, int64_t max_context);
 
 }  // namespace dflash

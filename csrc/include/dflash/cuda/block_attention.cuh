@@ -1,6 +1,6 @@
-// block_attention for one architecture: the Bq draft queries of one sequence attend,
-// non-causally, to that sequence's visible context in the cache followed by its own Bq
-// block keys. The tensor-core kernel:
+// block_attention for one architecture: the Bq draft queries of one sequence attend to that
+// sequence's visible context in the cache followed by its own Bq block keys, non-causally or
+// causally (p.causal: the rules of dflash/window.h). The tensor-core kernel:
 //   - GQA packing: the Bq x group query rows that share a KV head form the M dimension
 //     (16 x 4 = 64 rows = one wgmma warpgroup), so each K/V tile is read once per KV head.
 //   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp,
@@ -9,6 +9,8 @@
 //   - Online softmax in registers, log2 domain: each thread owns two rows of the S and O
 //     accumulators, shared with the other lanes of its quad (quad shuffles reduce a row);
 //     P goes back to shared memory as the A operand of P*V (V is read MN-major).
+//   - Causal is a template flag (the non-causal kernel is unchanged): scores are masked per
+//     (query row, key). A row tile's queries together see every key, so no tile is skipped.
 // Requirements (checked by the plan function, else the SIMT path runs): bf16/fp16,
 // D in {64, 128}. The SIMT kernel (every dtype, D <= kSimtMaxHeadDim): one warp per
 // (sequence, query, q head). Host side: kernel choice, split-KV plan, launch.
@@ -22,7 +24,8 @@ namespace dflash::cuda::DFLASH_ARCH_NS {
 
 // ---------------------------------------------------------------- kernels
 // The keys of sequence b in block_attention: keys [0, n_ctx) are the cache rows
-// [start, start + n_ctx), keys [n_ctx, total) the sequence's Bq block rows.
+// [start, start + n_ctx), keys [n_ctx, total) the sequence's Bq block rows. Key t is at
+// position t and query i at n_ctx + i (window.h's positions, from the first visible row).
 struct KeyRange {
   int64_t start;
   int n_ctx, total;
@@ -33,7 +36,7 @@ struct KeyRange {
 __device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
   const int64_t off = min(max(p.cache_offsets[b], int64_t(0)), p.S);
   const int64_t n = min(max(p.cache_lens[b], int64_t(0)), p.S - off);
-  const int64_t visible = min(visible_context(n, p.window), p.max_context);
+  const int64_t visible = min(visible_context(n, p.window, p.causal), p.max_context);
   return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
 }
 
@@ -114,7 +117,7 @@ __device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, in
   }
 }
 
-template <class T, int D>
+template <class T, int D, bool kCausal>
 __global__ void __launch_bounds__(kTileThreads)
 block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   constexpr int BM = kAttnBM, BN = kAttnBN;
@@ -190,6 +193,15 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const float scale_log2 = p.scale * kLog2e;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // this thread's two rows
+  int first_key[2] = {0, 0}, last_key[2] = {0, 0};                   // causal: the keys they see
+  if constexpr (kCausal) {
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int pos = keys.n_ctx + (r0 + attn_first_row(tid) + 8 * j) / group;
+      first_key[j] = static_cast<int>(causal_first_key(pos, p.window));
+      last_key[j] = pos;
+    }
+  }
   auto o_acc = GemmPV::make_acc();
   auto o_coords = GemmPV::acc_coords(tid);
   auto s_coords = GemmQK::acc_coords(tid);
@@ -209,16 +221,21 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     float mx[2] = {-INFINITY, -INFINITY};
     CUTE_UNROLL
     for (int i = 0; i < size(s_acc); ++i) {
-      const int slot = attn_elem_slot(i);
-      const float s = tile_begin + get<1>(s_coords(i)) < key_end ? s_acc(i) * scale_log2 : -INFINITY;
+      const int slot = attn_elem_slot(i), key = tile_begin + get<1>(s_coords(i));
+      bool seen = key < key_end;
+      if constexpr (kCausal) seen = seen && key >= first_key[slot] && key <= last_key[slot];
+      const float s = seen ? s_acc(i) * scale_log2 : -INFINITY;
       s_acc(i) = s;
       mx[slot] = fmaxf(mx[slot], s);
     }
-    float alpha[2];
+    float alpha[2], m_exp[2];
     CUTE_UNROLL
     for (int j = 0; j < 2; ++j) {
-      const float m_new = fmaxf(m_run[j], quad_max(mx[j]));  // finite: every tile has a key
-      alpha[j] = exp2f(m_run[j] - m_new);                    // 0 on the first tile
+      const float m_new = fmaxf(m_run[j], quad_max(mx[j]));  // non-causal, finite: every tile has a key
+      // Causal, a row may have seen no key yet (m_new = -inf): its exponents then use 0, so
+      // that its P and alpha are 0, not NaN.
+      m_exp[j] = kCausal && m_new == -INFINITY ? 0.f : m_new;
+      alpha[j] = exp2f(m_run[j] - m_exp[j]);  // 0 on the row's first tile with a key
       m_run[j] = m_new;
     }
     float sum[2] = {0.f, 0.f};
@@ -227,8 +244,8 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
       const int r = get<0>(s_coords(i)), slot = attn_elem_slot(i);
       uint32_t pair;
       T* e = reinterpret_cast<T*>(&pair);
-      e[0] = from_float<T>(exp2f(s_acc(i) - m_run[slot]));
-      e[1] = from_float<T>(exp2f(s_acc(i + 1) - m_run[slot]));
+      e[0] = from_float<T>(exp2f(s_acc(i) - m_exp[slot]));
+      e[1] = from_float<T>(exp2f(s_acc(i + 1) - m_exp[slot]));
       sum[slot] += to_float(e[0]) + to_float(e[1]);  // l sums exactly the P that multiplies V
       st_shared_4(&sP(r, get<1>(s_coords(i))), pair);
     }
@@ -241,6 +258,8 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     GemmPV::run(sP, smem_stage<LayoutV>(v_ptr, stage), o_acc, tid);
   }
 
+  // Causal, a row may see no key of this split (l = 0, lse = -inf): its partial output is
+  // NaN, and the combine gives it weight 0 and never reads it.
   CUTE_UNROLL
   for (int i = 0; i < size(o_acc); ++i) {
     const int r = get<0>(o_coords(i)), d = get<1>(o_coords(i));
@@ -262,7 +281,7 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   if (p.splits > 1) combine_splits_if_last<T, D>(p, r0, rows, row_index, reinterpret_cast<float*>(smem_raw));
 }
 
-// One warp per (sequence, query, q head): online softmax over the keys, D <= 256.
+// One warp per (sequence, query, q head): online softmax over the keys it sees, D <= 256.
 template <class T>
 __global__ void __launch_bounds__(kSimtThreads)
 block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
@@ -270,7 +289,7 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kSimtThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq) return;
-  const int h = warp % p.Hq, b = warp / (static_cast<int64_t>(p.Hq) * p.Bq);
+  const int h = warp % p.Hq, i = (warp / p.Hq) % p.Bq, b = warp / (static_cast<int64_t>(p.Hq) * p.Bq);
   const int kvh = h / (p.Hq / p.Hkv), D = p.D;
   const KeyRange keys = key_range(p, b);
   const T* q = static_cast<const T*>(p.q) + warp * D;
@@ -282,7 +301,10 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
     o[j] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  for (int key = 0; key < keys.total; ++key) {
+  // causal: the keys [first, n_ctx + i], never empty (the query sees itself)
+  const int key_first = p.causal ? static_cast<int>(causal_first_key(keys.n_ctx + i, p.window)) : 0;
+  const int key_end = p.causal ? keys.n_ctx + i + 1 : keys.total;
+  for (int key = key_first; key < key_end; ++key) {
     const bool from_block = key >= keys.n_ctx;
     const int64_t row = from_block ? (static_cast<int64_t>(b) * p.Bq + (key - keys.n_ctx)) * p.Hkv + kvh
                                    : (keys.start + key) * p.Hkv + kvh;
@@ -307,10 +329,17 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
 }
 
 // ---------------------------------------------------------------- plan and launch
-template <class T, int D>
+template <class T, int D, bool kCausal>
 int attention_tc_ctas_per_sm() {
-  return prepare_kernel<&block_attention_tc_kernel<T, D>>(kTileThreads, attention_smem_bytes<D>(sizeof(T)),
-                                                         "block_attention");
+  return prepare_kernel<&block_attention_tc_kernel<T, D, kCausal>>(kTileThreads, attention_smem_bytes<D>(sizeof(T)),
+                                                                  "block_attention");
+}
+
+// f<D, kCausal>() for the head dim (64 or 128) and p.causal.
+template <class F>
+decltype(auto) dispatch_tc_kernel(const BlockAttentionParams& p, F&& f) {
+  if (p.D == 64) return p.causal ? f.template operator()<64, true>() : f.template operator()<64, false>();
+  return p.causal ? f.template operator()<128, true>() : f.template operator()<128, false>();
 }
 
 inline int attention_row_tiles(const BlockAttentionParams& p) {
@@ -332,7 +361,7 @@ bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
   int per_sm = 1;
   auto occupancy = [&]<class T>() {
     if constexpr (!std::is_same_v<T, float>)
-      per_sm = p.D == 64 ? attention_tc_ctas_per_sm<T, 64>() : attention_tc_ctas_per_sm<T, 128>();
+      per_sm = dispatch_tc_kernel(p, []<int D, bool kCausal>() { return attention_tc_ctas_per_sm<T, D, kCausal>(); });
   };
   dispatch_all_types(p.dtype, occupancy);
   const int64_t ctas = static_cast<int64_t>(p.Bsz) * p.Hkv * attention_row_tiles(p);
@@ -343,12 +372,12 @@ bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
   return true;
 }
 
-template <class T, int D>
+template <class T, int D, bool kCausal>
 void launch_attention_tc(const BlockAttentionParams& p, cudaStream_t stream) {
   constexpr int smem = attention_smem_bytes<D>(sizeof(T));
-  attention_tc_ctas_per_sm<T, D>();  // the shared-memory opt-in (once per device)
+  attention_tc_ctas_per_sm<T, D, kCausal>();  // the shared-memory opt-in (once per device)
   const dim3 grid(p.Bsz * p.Hkv, attention_row_tiles(p), p.splits);
-  block_attention_tc_kernel<T, D><<<grid, kTileThreads, smem, stream>>>(p);
+  block_attention_tc_kernel<T, D, kCausal><<<grid, kTileThreads, smem, stream>>>(p);
   check_launch("block_attention_tc_kernel");
 }
 
@@ -356,8 +385,7 @@ void block_attention(const BlockAttentionParams& p, cudaStream_t stream) {
   auto run = [&]<class T>() {
     if constexpr (!std::is_same_v<T, float>) {
       if (p.tensor_cores) {
-        if (p.D == 64) launch_attention_tc<T, 64>(p, stream);
-        else launch_attention_tc<T, 128>(p, stream);
+        dispatch_tc_kernel(p, [&]<int D, bool kCausal>() { launch_attention_tc<T, D, kCausal>(p, stream); });
         return;
       }
     }

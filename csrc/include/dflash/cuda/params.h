@@ -6,7 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "dflash/window.h"  // visible_context
+#include "dflash/window.h"  // visible_context, causal_first_key
 
 namespace dflash::cuda {
 
@@ -68,7 +68,8 @@ struct InjectParams {
   int k_tiles_per_split;  // K tiles each split reduces
 };
 
-// block_attention: per sequence b the keys are k_cache[start : off+len] ++ k_block[b].
+// block_attention: per sequence b the keys are k_cache[start : off+len] ++ k_block[b]
+// (start: visible_context in window.h), every one of them seen unless `causal`.
 inline constexpr int kSimtMaxHeadDim = 256;  // the SIMT path keeps D/32 <= 8 values per lane
 
 
@@ -87,6 +88,7 @@ struct BlockAttentionParams {
   int Bsz, Bq, Hq, Hkv, D;
   int64_t S;
   int64_t window;       // 0 = whole context
+  bool causal;          // the causal sliding-window rule of window.h
   int64_t max_context;  // the planned bound of visible context rows (a sequence sees at most these)
   int64_t max_keys;     // max_context + Bq
   int splits;           // split-KV factor, 1 = write `out` directly (set by the plan)

@@ -50,8 +50,9 @@ inline SplitPlan gemm_split_plan(int64_t ctas, int64_t k_tiles, int64_t wave) {
 // Keys a sequence can attend to in a launch planned for `max_context` context rows
 // (< 0: the whole cache of S rows) with window `window` (0 = all): the static bound that
 // the split plan covers, so that a captured CUDA graph stays correct as contexts grow.
+// Counted non-causal: a bound for causal attention too, which sees a row fewer.
 inline int64_t planned_context(int64_t max_context, int64_t window, int64_t S) {
-  return visible_context(max_context < 0 ? S : std::min(max_context, S), window);
+  return visible_context(max_context < 0 ? S : std::min(max_context, S), window, false);
 }
 
 // Which compiled kernel set runs on compute capability major.minor: sm_90a code needs
