@@ -108,6 +108,13 @@ class DFlashConfig:
                              f"{self.num_hidden_layers} layers, got {self.layer_types}")
         if self.causal not in (None, True, False):
             raise ValueError(f"causal must be true, false or None, got {self.causal!r}")
+        if any(w and not c for w, c in zip(self.layer_windows, self.layer_causal)):
+            # The authors' code and TensorRT-LLM give each query of such a layer a symmetric
+            # window (|p - k| < W); block_attention has the causal and the context-truncating
+            # windows only, so this would silently draft another function.
+            raise ValueError(f"a bidirectional sliding-window layer (is_causal false with sliding_attention "
+                             f"layers and sliding_window={self.sliding_window}) is not supported: its symmetric "
+                             f"per-query window is not implemented")
         hf = self.hf_config()  # validates the rope parameters as transformers does
         self.rope_parameters = dict(hf.rope_parameters)
         rope_type = self.rope_parameters.get("rope_type", "default")
@@ -163,6 +170,8 @@ class DFlashConfig:
         """The reference format: a Qwen3 config plus the DFlash fields."""
         rope = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
         sliding = "sliding_attention" in self.layer_types and self.sliding_window is not None
+        # Sliding layers without a window are still causal (layer_causal): their types are saved too.
+        typed = "sliding_attention" in self.layer_types
         d = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -189,7 +198,7 @@ class DFlashConfig:
         }
         if rope.get("rope_type", "default") != "default":
             d["rope_scaling"] = rope  # read by transformers 4.x and 5.x alike
-        if sliding:
+        if typed:
             d["layer_types"] = list(self.layer_types)
         if self.causal is not None:
             d["is_causal"] = self.causal  # the field every engine reads first

@@ -23,13 +23,17 @@ LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
 WINDOW, BLOCK, CONTEXT = 3, 4, 12
 INNER = {"target_layer_ids": [1, 4], "mask_token_id": 99}
 
-# name -> (extra config.json fields, the causality of each layer they mean)
+# Bidirectional sliding layers with a window are rejected (test_a_bidirectional_window_is_rejected):
+# the bidirectional cases keep the sliding layer types without their window.
+NO_WINDOW = {"use_sliding_window": False}
+# name -> (extra config.json fields, the causality of each layer they mean, each layer's window)
 CASES = {
-    "default rule": ({}, [True, False, True, False]),
-    "is_causal true": ({"is_causal": True}, [True] * 4),
-    "is_causal false": ({"is_causal": False}, [False] * 4),
-    "dflash_config.causal true": ({"dflash_config": dict(INNER, causal=True)}, [True] * 4),
-    "dflash_config.is_causal false": ({"dflash_config": dict(INNER, is_causal=False)}, [False] * 4),
+    "default rule": ({}, [True, False, True, False], [WINDOW, 0] * 2),
+    "is_causal true": ({"is_causal": True}, [True] * 4, [WINDOW, 0] * 2),
+    "is_causal false": ({"is_causal": False, **NO_WINDOW}, [False] * 4, [0] * 4),
+    "dflash_config.causal true": ({"dflash_config": dict(INNER, causal=True)}, [True] * 4, [WINDOW, 0] * 2),
+    "dflash_config.is_causal false": ({"dflash_config": dict(INNER, is_causal=False), **NO_WINDOW}, [False] * 4,
+                                      [0] * 4),
 }
 
 
@@ -58,20 +62,20 @@ def inputs(seed=1, n=CONTEXT):
 
 @pytest.mark.parametrize("name", CASES)
 def test_layer_causality_follows_the_engines_rule(name):
-    extra, causal = CASES[name]
+    extra, causal, windows = CASES[name]
     assert DFlashConfig.from_json_dict(mixed_config(extra)).layer_causal == causal
 
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("name", CASES)
 def test_draft_step_equals_explicit_masks(name, fused):
-    extra, causal = CASES[name]
+    extra, causal, windows = CASES[name]
     d = mixed_config(extra)
     drafter = random_drafter(d)
     feats, block = inputs()
     with torch.no_grad():
         ours = our_draft_step(drafter, feats, block, CONTEXT, fused)
-        ref = plain_draft_step(drafter, d, feats, block, CONTEXT, visible_keys(causal, [WINDOW, 0] * 2, CONTEXT))
+        ref = plain_draft_step(drafter, d, feats, block, CONTEXT, visible_keys(causal, windows, CONTEXT))
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -79,7 +83,7 @@ def test_draft_step_equals_explicit_masks(name, fused):
 def test_draft_window_caps_causal_layers_per_query(fused):
     """draft_window=2 caps every layer: causal ones to p - 2 < k <= p, bidirectional ones to
     the last 2 context rows (and the whole block)."""
-    extra, causal = CASES["default rule"]
+    extra, causal, _ = CASES["default rule"]
     d = mixed_config(extra)
     drafter = random_drafter(d)
     feats, block = inputs()
@@ -91,7 +95,7 @@ def test_draft_window_caps_causal_layers_per_query(fused):
 
 @pytest.mark.parametrize("name", CASES)
 def test_training_forward_equals_explicit_masks_and_inference_at_every_anchor(name):
-    extra, causal = CASES[name]
+    extra, causal, windows = CASES[name]
     d = mixed_config(extra)
     drafter = random_drafter(d)
     feats, _ = inputs(n=CONTEXT + BLOCK)
@@ -101,7 +105,7 @@ def test_training_forward_equals_explicit_masks_and_inference_at_every_anchor(na
     with torch.no_grad():
         hidden = drafter(feats, embeds, anchors)
         for a, p in enumerate(anchors.tolist()):
-            ref = plain_draft_step(drafter, d, feats[:p], embeds[a], p, visible_keys(causal, [WINDOW, 0] * 2, p))
+            ref = plain_draft_step(drafter, d, feats[:p], embeds[a], p, visible_keys(causal, windows, p))
             torch.testing.assert_close(hidden[a], ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(hidden[a], our_draft_step(drafter, feats[:p], embeds[a], p, fused=False),
                                        rtol=1e-4, atol=1e-5)
@@ -127,15 +131,25 @@ def test_the_masks_change_the_function():
     (None, {"is_causal": None, "causal": None}, None),    # else by layer type
 ])
 def test_the_first_explicit_field_wins(top, inner, want):
-    c = DFlashConfig.from_json_dict(mixed_config({"is_causal": top, "dflash_config": dict(INNER, **inner)}))
+    c = DFlashConfig.from_json_dict(mixed_config({"is_causal": top, "dflash_config": dict(INNER, **inner),
+                                                  **(NO_WINDOW if want is False else {})}))
     assert c.causal is want
     assert c.layer_causal == ([want] * 4 if want is not None else CASES["default rule"][1])
+
+
+@pytest.mark.parametrize("extra", [{"is_causal": False}, {"dflash_config": dict(INNER, causal=False)}])
+def test_a_bidirectional_window_is_rejected(extra):
+    """The engines give a bidirectional sliding layer a symmetric per-query window, which the
+    op does not implement: an error, never another function."""
+    with pytest.raises(ValueError, match="bidirectional sliding-window layer"):
+        DFlashConfig.from_json_dict(mixed_config(extra))
+    DFlashConfig.from_json_dict(mixed_config({**extra, **NO_WINDOW}))  # no window: bidirectional over everything
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_causality_round_trips_through_a_checkpoint(name, tmp_path):
     """Saved as the top-level is_causal every engine reads first (nothing for the default rule)."""
-    extra, causal = CASES[name]
+    extra, causal, windows = CASES[name]
     drafter = random_drafter(mixed_config(extra))
     drafter.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
