@@ -150,7 +150,8 @@ class DFlashConfig:
         else a sliding_attention layer is causal and a full_attention layer bidirectional.
         Causal: the query at position p sees the keys at positions p - W < k <= p (W its
         window, 0 = no bound) over the context followed by the block; bidirectional: the
-        last W context rows before the block and the whole block."""
+        whole context and block (a windowed bidirectional layer is rejected at load;
+        draft_window alone caps it, to the last W context rows)."""
         if self.causal is not None:
             return [self.causal] * self.num_hidden_layers
         return [t == "sliding_attention" for t in self.layer_types]
