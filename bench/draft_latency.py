@@ -158,19 +158,20 @@ class Setup:
         impl = ops if fused else reference
         real, calls = impl.block_attention, []
         self.inject(fused)  # cache lengths now context + tau
-        with mock.patch.object(impl, "block_attention", lambda *a: calls.append((a, real(*a))) or calls[-1][1]):
+        with mock.patch.object(impl, "block_attention",
+                               lambda *a, **kw: calls.append((a, kw, real(*a, **kw))) or calls[-1][2]):
             hidden = self.hidden(fused)
         if len(calls) != self.d.config.num_hidden_layers:
             raise RuntimeError(f"draft_hidden made {len(calls)} {impl.__name__}.block_attention calls, expected one "
                                "per layer: the breakdown of bench/draft_latency.py needs updating")
-        outs = itertools.cycle([o for _, o in calls])
+        outs = itertools.cycle([o for _, _, o in calls])
         kv_args = self.inject_args(impl)
 
         def layers_rest():
-            with mock.patch.object(impl, "block_attention", lambda *a: next(outs)):
+            with mock.patch.object(impl, "block_attention", lambda *a, **kw: next(outs)):
                 self.hidden(fused)
         return dict(project=lambda: self.project(impl), inject=lambda: impl.inject_context_kv(*kv_args),
-                    attention=lambda: [real(*a) for a, _ in calls], layers_rest=layers_rest,
+                    attention=lambda: [real(*a, **kw) for a, kw, _ in calls], layers_rest=layers_rest,
                     lm_head=lambda: self.lm_head(hidden))
 
 
