@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from dflash_ext.config import DFlashConfig
 from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.models import default_drafter_path
 
-from python_tests.helpers import ROOT
 
 H, HQ, HKV, D, N_LAYERS, K_FEATS = 64, 4, 2, 16, 2, 2
 
@@ -226,11 +226,11 @@ def test_unsupported_fields_are_rejected_at_load(tmp_path, extra, match):
 
 
 def test_the_shipped_drafter_computes_the_reference_draft_step():
-    """drafters/smollm2-135m, its own weights in fp32: the same hidden states as the
-    authors' computation written from transformers' parts."""
+    """The shipped drafter (dflash_ext/drafters/smollm2-135m), its own weights in fp32: the
+    same hidden states as the authors' computation written from transformers' parts."""
     import os
 
-    path = os.path.join(ROOT, "drafters", "smollm2-135m")
+    path = default_drafter_path()
     d = json.load(open(os.path.join(path, "config.json")))
     drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32).eval()
     c = drafter.config
