@@ -11,7 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
-BUILD_PY="$REPO/${DFLASH_VENV:-.venv}/bin/python"
+VENV=${DFLASH_VENV:-.venv}  # as run.sh names it: relative to the repository, or absolute
+case "$VENV" in /*) ;; *) VENV="$REPO/$VENV" ;; esac
+BUILD_PY="$VENV/bin/python"
 [ -x "$BUILD_PY" ] || { echo "wheel_check: no build environment at $BUILD_PY: run ./run.sh first" >&2; exit 2; }
 if [ -n "${1:-}" ]; then WORK=$1; mkdir -p "$WORK"; else WORK=$(mktemp -d /tmp/dflash-wheel.XXXXXX); trap 'rm -rf "$WORK"' EXIT; fi
 step() { echo "[wheel_check $((SECONDS))s] $*" >&2; }
