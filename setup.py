@@ -7,6 +7,13 @@ reads, so the two builds cannot drift apart.
 The extension is a CUDAExtension when torch was built with CUDA and nvcc is found
 (CUDA_HOME, else /usr/local/cuda), otherwise a CppExtension with the CPU kernels.
 Set DFLASH_FORCE_CPU=1 to build the CPU-only extension on a CUDA machine.
+DFLASH_CUDA_ARCHS (e.g. "sm90a" or "sm80,sm100"; default: all of CUDA_ARCH_GENCODE) picks
+the architectures whose kernels are compiled; the extension reports them
+(`dflash_ext._C._cuda_archs()`) and dispatches only to them (csrc/cuda/ops_cuda.cpp).
+
+Builds are incremental: torch's ninja build keeps its objects in build/temp-<cpu|cuda>
+(also under `pip install -e`, which would otherwise compile in a fresh temporary folder
+every time) and recompiles what changed, headers and flags included.
 
 Each CUDA source is compiled for ONE architecture, named by its file name
 (`*_sm80.cu`, `*_sm90a.cu`, `*_sm100.cu`), with explicit -gencode flags: the build
@@ -22,7 +29,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,6 +59,18 @@ CUDA_ARCH_GENCODE = {
     # 10.x GPU (sm_100a code runs on 10.0 only) -- these kernels use no 10.0-only feature.
     "sm100": ["-gencode", "arch=compute_100,code=sm_100"],
 }
+
+
+def selected_cuda_archs():
+    """The architectures to compile: DFLASH_CUDA_ARCHS (comma, semicolon or space separated
+    names of CUDA_ARCH_GENCODE), all of them when unset."""
+    text = os.environ.get("DFLASH_CUDA_ARCHS", "").replace(",", " ").replace(";", " ").split()
+    if not text:
+        return list(CUDA_ARCH_GENCODE)
+    unknown = sorted(set(text) - set(CUDA_ARCH_GENCODE))
+    if unknown:
+        raise ValueError(f"DFLASH_CUDA_ARCHS: unknown architecture(s) {unknown}; choose from {list(CUDA_ARCH_GENCODE)}")
+    return [a for a in CUDA_ARCH_GENCODE if a in text]
 
 
 def cuda_arch_of(source):
@@ -86,9 +105,11 @@ def build_description():
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     cuda_sources, nvcc_flags = [], []
     if use_cuda:
-        cuda_sources = rel("csrc/cuda/*.cu")
-        for source in cuda_sources:
-            cuda_arch_of(source)  # fail early on a misnamed file
+        archs = selected_cuda_archs()
+        # cuda_arch_of fails early on a misnamed file
+        cuda_sources = [s for s in rel("csrc/cuda/*.cu") if cuda_arch_of(s) in archs]
+        # The host code dispatches only to the kernel sets compiled in (ops_cuda.cpp).
+        cxx += [f"-DDFLASH_CUDA_ARCH_{a.upper()}" for a in archs]
         include_dirs.append(os.path.join(cuda_home, "include"))
         # CUDA 13 moved the CCCL headers (cuda/std/...) that CUTLASS includes.
         include_dirs.append(os.path.join(cuda_home, "include", "cccl"))
@@ -109,6 +130,12 @@ def build_description():
 
 
 CUDA_OBJECT_DIR = os.path.join(ROOT, "build", "cuda_objects")
+
+
+def object_dir(use_cuda):
+    """torch's ninja build folder of the C++ objects: one per kind of build, so that a CPU
+    wheel build does not throw away the CUDA build's objects (and back)."""
+    return os.path.join(ROOT, "build", "temp-cuda" if use_cuda else "temp-cpu")
 
 
 def compile_cuda_objects(d, jobs):
@@ -155,7 +182,7 @@ def write_cmake_description(path):
             f.write(f'set(CMAKE_CUDA_COMPILER "{d["nvcc"]}")\n')
             f.write(f'set(CUDA_TOOLKIT_ROOT_DIR "{cuda_home}")\nset(CUDAToolkit_ROOT "{cuda_home}")\n')
             # Torch's CMake config would otherwise probe for a GPU to pick architectures.
-            f.write('set(TORCH_CUDA_ARCH_LIST "8.0;9.0a;10.0a")\n')
+            f.write('set(TORCH_CUDA_ARCH_LIST "8.0;9.0a;10.0a")\n')  # unused: each .cu names its own
             # Torch's CUDA targets link NVRTC, which the pip CUDA build of torch carries.
             import sysconfig
 
@@ -186,8 +213,16 @@ def build_ext_class():
     class BuildExtensionWithArchObjects(BuildExtension):
         """torch's builder for the C++ sources, plus our per-architecture .cu objects."""
 
+        def finalize_options(self):
+            super().finalize_options()
+            # Always hand the build to ninja, which knows what changed (setuptools would
+            # skip it when the .so is newer than the .cpp files, missing a header or flag).
+            self.force = True
+
         def build_extensions(self):
             d = build_description()
+            # A folder that outlives the build (pip install -e passes a fresh temporary one).
+            self.build_temp = object_dir(d["use_cuda"])
             if d["use_cuda"]:
                 jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
                 objects = compile_cuda_objects(d, jobs)
@@ -203,14 +238,5 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "describe-cm
     sys.exit(0)
 
 if __name__ == "__main__":
-    setup(
-        name="dflash_ext",
-        version="0.1.0",
-        description="DFlash block-diffusion speculative decoding: fused PyTorch ops and decoding loop",
-        packages=find_packages(include=["dflash_ext", "dflash_ext.*"]),
-        python_requires=">=3.10",
-        install_requires=["torch>=2.6", "numpy"],
-        ext_modules=extensions(),
-        cmdclass={"build_ext": build_ext_class()},
-        zip_safe=False,
-    )
+    # The project's metadata (name, version, dependencies, package data) is in pyproject.toml.
+    setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext_class()})

@@ -3,7 +3,7 @@ process, live target features) with glibc's default malloc against the same run 
 memory kept, each in a fresh process. Prints page faults, user and system CPU seconds and
 the wall time of each (start-up included), and the CPU model.
 
-    .venv/bin/python -m bench.malloc_reuse --data data/sharegpt-7k --init drafters/smollm2-135m
+    .venv/bin/python -m bench.malloc_reuse --data data/sharegpt-7k --init dflash_ext/drafters/smollm2-135m
 """
 import argparse
 import os

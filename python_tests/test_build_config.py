@@ -20,9 +20,35 @@ def test_build_description_lists_every_kernel_source():
             if name.endswith(".cpp"):
                 assert os.path.join(pattern_dir, name) in d["sources"]
     cuda_dir = os.path.join("csrc", "cuda")
+    archs = load_setup_module().selected_cuda_archs()
     for name in os.listdir(os.path.join(ROOT, cuda_dir)):
         listed = os.path.join(cuda_dir, name) in (d["sources"] + d["cuda_sources"])
-        assert listed == d["use_cuda"], f"{name}: built {listed}, CUDA build {d['use_cuda']}"
+        chosen = not name.endswith(".cu") or load_setup_module().cuda_arch_of(name) in archs
+        assert listed == (d["use_cuda"] and chosen), f"{name}: built {listed}, CUDA build {d['use_cuda']}"
+
+
+def test_cuda_archs_pick_the_sources_and_the_dispatch(monkeypatch):
+    setup = load_setup_module()
+    monkeypatch.delenv("DFLASH_CUDA_ARCHS", raising=False)
+    assert setup.selected_cuda_archs() == list(setup.CUDA_ARCH_GENCODE)
+    monkeypatch.setenv("DFLASH_CUDA_ARCHS", "sm100, sm80")
+    assert setup.selected_cuda_archs() == ["sm80", "sm100"]  # in CUDA_ARCH_GENCODE's order
+    monkeypatch.setenv("DFLASH_CUDA_ARCHS", "sm90")
+    with pytest.raises(ValueError, match="unknown architecture"):
+        setup.selected_cuda_archs()
+    if setup._nvcc() is None:
+        pytest.skip("no CUDA build here: the source list and the defines are checked where there is one")
+    monkeypatch.setenv("DFLASH_CUDA_ARCHS", "sm90a")
+    d = setup.build_description()
+    assert d["cuda_sources"] and all(s.endswith("_sm90a.cu") for s in d["cuda_sources"])
+    assert "-DDFLASH_CUDA_ARCH_SM90A" in d["cxx_flags"] and "-DDFLASH_CUDA_ARCH_SM80" not in d["cxx_flags"]
+
+
+def test_builds_keep_their_objects_per_kind():
+    setup = load_setup_module()
+    # pip install -e would compile in a fresh temporary folder: ours outlives it, one per kind
+    assert setup.object_dir(True) != setup.object_dir(False)
+    assert all(p.startswith(os.path.join(ROOT, "build")) for p in (setup.object_dir(True), setup.object_dir(False)))
 
 
 def test_each_cuda_source_names_one_architecture():

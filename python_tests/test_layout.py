@@ -11,6 +11,7 @@ ORDER = [
     "config",        # DFlashConfig and the config-field rules
     "checkpoint",    # checkpoint files: resolve, read, write
     "hf_assistant",  # transformers' DFlash generate (drives the drafter it is given)
+    "diagnostics",   # dflash_ext.info(): what was built and what runs here
     "drafter",       # modules, DraftCache, drafting, training forward
     "target",        # the Hugging Face target adapter, cache rollback, streamed linear layers
     "proposer",      # DFlashProposer, CUDA-graph capture, draft tokens

@@ -2,7 +2,7 @@
 features) under torch.profiler, then the ops by self CPU time, grouped by input shape.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.training.train_profile --data data/sharegpt-7k \
-        --init drafters/smollm2-135m
+        --init dflash_ext/drafters/smollm2-135m
 """
 import argparse
 import tempfile

@@ -45,10 +45,25 @@ void check_cuda(cudaError_t err, const char* what) {
 
 // Architecture and limits of `device`, looked up once per device (returned by value: the
 // cache may grow while another thread uses an entry).
+// A kernel set not compiled in (DFLASH_CUDA_ARCHS) has no launchers to point to.
+#define DFLASH_NO_LAUNCHERS ArchLaunchers{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}
+
 DeviceInfo device_info(const at::Device& device) {
+#ifdef DFLASH_CUDA_ARCH_SM80
   static const ArchLaunchers sm80 = DFLASH_ARCH_LAUNCHERS(sm80);
+#else
+  static const ArchLaunchers sm80 = DFLASH_NO_LAUNCHERS;
+#endif
+#ifdef DFLASH_CUDA_ARCH_SM90A
   static const ArchLaunchers sm90a = DFLASH_ARCH_LAUNCHERS(sm90a);
+#else
+  static const ArchLaunchers sm90a = DFLASH_NO_LAUNCHERS;
+#endif
+#ifdef DFLASH_CUDA_ARCH_SM100
   static const ArchLaunchers sm100 = DFLASH_ARCH_LAUNCHERS(sm100);
+#else
+  static const ArchLaunchers sm100 = DFLASH_NO_LAUNCHERS;
+#endif
   static std::mutex mutex;
   static std::vector<DeviceInfo> cache;
   const int index = device.index();
@@ -62,9 +77,12 @@ DeviceInfo device_info(const at::Device& device) {
     check_cuda(cudaDeviceGetAttribute(&info.limits.num_sms, cudaDevAttrMultiProcessorCount, index), "reading the SM count");
     check_cuda(cudaDeviceGetAttribute(&info.limits.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, index),
                "reading the shared memory limit");
-    const KernelArch arch = kernel_arch_for(major, minor);
-    TORCH_CHECK(arch != KernelArch::kNone, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
+    TORCH_CHECK(major >= 8, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
                 device, " has ", major, ".", minor);
+    const KernelArch arch = kernel_arch_for(major, minor, compiled_kernel_archs());
+    TORCH_CHECK(arch != KernelArch::kNone, "dflash_ext was built without kernels for ", device, " (compute capability ",
+                major, ".", minor, "): rebuild with DFLASH_CUDA_ARCHS including sm80 (runs on every 8.0+ GPU) or "
+                "this GPU's own set (python -m dflash_ext info lists what was built)");
     info.launchers = arch == KernelArch::kSm90a ? &sm90a : arch == KernelArch::kSm100 ? &sm100 : &sm80;
   }
   return info;

@@ -84,7 +84,23 @@ def test_planned_context(max_context, window, S, expected):
                                      ((10, 0), 100), ((10, 3), 100), ((11, 0), 80), ((12, 0), 80), ((12, 1), 80)])
 def test_kernel_arch_dispatch_by_major_version(cc, arch):
     # B300 (10.3) runs the sm_100 code (not the sm_80 PTX); only 9.0 takes the wgmma kernels.
-    assert C._cuda_plan("kernel_arch", *cc) == arch
+    assert C._cuda_plan("kernel_arch", *cc, 1 | 2 | 4) == arch  # all three sets built
+
+
+@pytest.mark.parametrize("cc,compiled,arch", [((9, 0), 1, 80), ((10, 3), 1 | 2, 80), ((9, 0), 4, 0), ((8, 6), 2 | 4, 0),
+                                              ((8, 6), 1, 80), ((12, 0), 4, 0), ((10, 0), 4, 100), ((7, 5), 7, 0)])
+def test_kernel_arch_with_some_sets_built(cc, compiled, arch):
+    # DFLASH_CUDA_ARCHS: a GPU whose own set was not built runs the sm_80 PTX, if that was built
+    assert C._cuda_plan("kernel_arch", *cc, compiled) == arch
+
+
+def test_the_build_reports_its_kernel_sets():
+    from python_tests.helpers import load_setup_module
+
+    setup = load_setup_module()
+    d = setup.build_description()
+    built = [a for a in setup.CUDA_ARCH_GENCODE if any(s.endswith(f"_{a}.cu") for s in d["cuda_sources"])]
+    assert list(C._cuda_archs()) == built
 
 
 def test_unknown_rule_is_a_clear_error():

@@ -4,8 +4,8 @@ import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.models import default_drafter_path
 from python_tests.decoding_helpers import OracleProposer
-from python_tests.helpers import ROOT
 
 pytest.importorskip("transformers")
 
@@ -39,10 +39,8 @@ def test_greedy_lossless_on_smollm2(smollm2, block_size):
 def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
     """The issue's call: target.generate(ids, assistant_model=DFlashDrafter.from_pretrained(path)
     .as_assistant(), speculation_type="dflash", do_sample=False) on the embedded target (fp32)."""
-    import os
-
     model, tok, prompts = smollm2
-    path = os.path.join(ROOT, "drafters", "smollm2-135m")
+    path = default_drafter_path()
     assistant = DFlashDrafter.from_pretrained(path, dtype=torch.float32).as_assistant()
     for prompt in prompts:
         base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
@@ -53,12 +51,10 @@ def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
 
 @pytest.mark.slow
 def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2):
-    """drafters/smollm2-135m in our loop (fp32, its 16,384-token draft vocabulary, B = 3 and
+    """The shipped drafter in our loop (fp32, its 16,384-token draft vocabulary, B = 3 and
     its trained block size): greedy output equals the target alone's."""
-    import os
-
     model, tok, prompts = smollm2
-    path = os.path.join(ROOT, "drafters", "smollm2-135m")
+    path = default_drafter_path()
     drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32)
     assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 16384
     for prompt in prompts:
@@ -66,21 +62,3 @@ def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2
         for block_size in (3, drafter.config.block_size):
             spec = spec_generate(model, drafter, prompt, 24, block_size=block_size, stop_token_ids=[tok.eos_token_id])
             assert spec.tokens == base.tokens
-
-
-@pytest.mark.slow
-def test_demo_reports_the_target_alone_plain_and_streamed(tmp_path):
-    """`python -m dflash_ext generate --baseline` (what ./run.sh demo runs): DFlash with the
-    shipped drafter, the target alone, and the target alone with skinny_linear; fp32 here,
-    so the DFlash output must equal the target's."""
-    import json
-
-    from dflash_ext.__main__ import main
-
-    out = tmp_path / "demo.json"
-    main(["generate", "--baseline", "--dtype", "float32", "--max-new-tokens", "12", "--json", str(out)])
-    report = json.loads(out.read_text())
-    assert report["identical_to_baseline"] is True
-    assert report["dflash"]["new_tokens"] == report["baseline"]["new_tokens"] == 12
-    assert report["streamed_target"]["new_tokens"] == 12
-    assert report["speedup"] > 0 and report["speedup_vs_streamed_target"] > 0

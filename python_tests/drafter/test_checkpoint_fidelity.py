@@ -14,10 +14,10 @@ import torch
 
 from dflash_ext.config import DFlashConfig
 from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.models import default_drafter_path
 
 from python_tests.drafter.plain_reference import (D, H, K_FEATS, config_json, our_draft_step, plain_draft_step,
                                                   random_drafter)
-from python_tests.helpers import ROOT
 
 ROPES = {
     "default": None,
@@ -171,11 +171,11 @@ def test_unsupported_fields_are_rejected_at_load(tmp_path, extra, match):
 
 
 def test_the_shipped_drafter_computes_the_reference_draft_step():
-    """drafters/smollm2-135m, its own weights in fp32: the same hidden states as the
-    authors' computation written from transformers' parts."""
+    """The shipped drafter (dflash_ext/drafters/smollm2-135m), its own weights in fp32: the
+    same hidden states as the authors' computation written from transformers' parts."""
     import os
 
-    path = os.path.join(ROOT, "drafters", "smollm2-135m")
+    path = default_drafter_path()
     d = json.load(open(os.path.join(path, "config.json")))
     drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32).eval()
     c = drafter.config

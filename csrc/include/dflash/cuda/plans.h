@@ -55,16 +55,40 @@ inline int64_t planned_context(int64_t max_context, int64_t window, int64_t S) {
   return visible_context(max_context < 0 ? S : std::min(max_context, S), window, false);
 }
 
-// Which compiled kernel set runs on compute capability major.minor: sm_90a code needs
-// exactly 9.0 (wgmma is 9.0-only), the plain sm_100 code runs on every 10.x (B200 10.0,
-// B300 10.3), and anything else from 8.0 on takes sm_80 (its SASS on 8.x, else its PTX,
-// JIT-compiled by the driver, e.g. on 12.x). Below 8.0: kNone.
+// Which kernel set runs on compute capability major.minor: sm_90a code needs exactly 9.0
+// (wgmma is 9.0-only), the plain sm_100 code runs on every 10.x (B200 10.0, B300 10.3), and
+// anything else from 8.0 on takes sm_80 (its SASS on 8.x, else its PTX, JIT-compiled by
+// the driver, e.g. on 12.x). `compiled` is the bit set of the sets built in (a build may
+// choose, DFLASH_CUDA_ARCHS): a GPU whose own set is missing takes the sm_80 PTX where that
+// was built. Below 8.0, or nothing that runs there: kNone.
 enum class KernelArch : int { kNone = 0, kSm80 = 80, kSm90a = 90, kSm100 = 100 };
-inline KernelArch kernel_arch_for(int major, int minor) {
+inline constexpr unsigned arch_bit(KernelArch a) {
+  return a == KernelArch::kSm80 ? 1u : a == KernelArch::kSm90a ? 2u : a == KernelArch::kSm100 ? 4u : 0u;
+}
+inline constexpr unsigned kAllKernelArchs = 7u;
+inline KernelArch kernel_arch_for(int major, int minor, unsigned compiled = kAllKernelArchs) {
   if (major < 8) return KernelArch::kNone;
-  if (major == 9 && minor == 0) return KernelArch::kSm90a;
-  if (major == 10) return KernelArch::kSm100;
-  return KernelArch::kSm80;
+  const KernelArch own = major == 9 && minor == 0 ? KernelArch::kSm90a
+                         : major == 10            ? KernelArch::kSm100
+                                                  : KernelArch::kSm80;
+  if (compiled & arch_bit(own)) return own;
+  return compiled & arch_bit(KernelArch::kSm80) ? KernelArch::kSm80 : KernelArch::kNone;
+}
+
+// The kernel sets this extension was built with (setup.py defines DFLASH_CUDA_ARCH_<ARCH>
+// for each architecture it compiles; none in a CPU-only build).
+inline constexpr unsigned compiled_kernel_archs() {
+  return 0u
+#ifdef DFLASH_CUDA_ARCH_SM80
+         | arch_bit(KernelArch::kSm80)
+#endif
+#ifdef DFLASH_CUDA_ARCH_SM90A
+         | arch_bit(KernelArch::kSm90a)
+#endif
+#ifdef DFLASH_CUDA_ARCH_SM100
+         | arch_bit(KernelArch::kSm100)
+#endif
+      ;
 }
 
 }  // namespace dflash::cuda
