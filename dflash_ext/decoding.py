@@ -250,8 +250,9 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     ``propose`` (see :class:`DFlashProposer`). `block_size`: the verify block (int), "auto"
     (:func:`choose_block_size`) or None (the drafter's). `on_tokens` receives each step's
     new tokens; `streamer` is a Hugging Face streamer (``put``/``end``, e.g. TextStreamer).
-    `draft_window` caps how many of the last context tokens every drafter layer sees (long
-    contexts; the authors' --draft-sliding-window-size). `stream_linears`: the linear layers
+    `draft_window` caps every drafter layer's window (long contexts; the authors'
+    --draft-sliding-window-size): per query on causal layers, the last N context tokens on
+    bidirectional ones (:func:`~dflash_ext.drafter.effective_windows`). `stream_linears`: the linear layers
     of the target and the drafter run as :func:`linear_rows` meanwhile (:func:`streamed_linears`:
     the verify passes, and B = 1 when that is the choice; False: F.linear everywhere)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
