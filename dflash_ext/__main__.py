@@ -69,16 +69,17 @@ def time_target_alone(model, ids, stream: bool, reps: int = 7) -> float:
     """Seconds of one one-token pass of the target alone after the prompt `ids` (median of
     `reps`, after one untimed), its linear layers through skinny_linear (`stream`) or F.linear."""
     from .decoding import _median_seconds
-    from .target import TargetRunner, crop_cache, streamed_linears
+    from .target import CacheRollback, TargetRunner, streamed_linears
 
     with streamed_linears(model, enabled=stream):
         runner = TargetRunner(model)
         x = torch.as_tensor([ids], device=runner.device)
         _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
+        rollback = CacheRollback(cache, 1)  # undoes each timed pass on every cache kind (windows, hybrids)
 
         def step():
-            runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True)
-            crop_cache(cache, x.shape[1])
+            runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True, rollback=rollback)
+            rollback(1)
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
 

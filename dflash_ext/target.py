@@ -60,6 +60,8 @@ class TargetRunner:
         cache's :class:`CacheRollback` (a pass redone must be undone first; without one the
         cache must crop)."""
         want = self.select if hidden_states else False
+        if rollback is not None:
+            rollback.check_pass(ids.shape[1])
         keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
         out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
         hs = out.hidden_states
@@ -148,6 +150,13 @@ class CacheRollback:
             for layer in layers:  # transformers' activation shares one history list among a layer's states
                 if hasattr(layer, "recurrent_states_history"):
                     layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+
+    def check_pass(self, n: int) -> None:
+        """A pass of `n` tokens must fit the recording: it keeps the states after each of the
+        last `max_tokens` tokens only, so a longer pass could not be undone exactly."""
+        if self.records and n > self.max_tokens:
+            raise ValueError(f"a pass of {n} tokens cannot be rolled back: the cache records the last "
+                             f"{self.max_tokens} (CacheRollback's max_tokens)")
 
     def __call__(self, drop: int) -> None:
         """Undo the last `drop` tokens of the last pass (0: all were accepted)."""

@@ -221,3 +221,25 @@ def test_auto_block_size_times_verify_with_the_rollback(family):
     prompt = PROMPTS[1]
     out = spec_generate(target, drafter, prompt, NEW_TOKENS, block_size="auto")
     assert out.tokens == target_generate(target, prompt, NEW_TOKENS).tokens
+
+
+def test_a_pass_longer_than_the_recording_is_an_error():
+    """The recording keeps the states after the last max_tokens tokens: a longer pass could
+    not be undone exactly, so it is refused before it runs (not rolled back to a wrong state)."""
+    target = tiny_family_target("qwen3_5")
+    runner = TargetRunner(target)
+    _, _, cache = runner(torch.arange(5, 15)[None], None, hidden_states=False)
+    rollback = CacheRollback(cache, 2)
+    with pytest.raises(ValueError, match="a pass of 3 tokens cannot be rolled back"):
+        runner(torch.arange(20, 23)[None], cache, hidden_states=False, rollback=rollback)
+    runner(torch.arange(20, 22)[None], cache, hidden_states=False, rollback=rollback)  # fits
+    rollback(2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_the_cli_times_the_target_alone_on_every_cache_kind(family):
+    """generate's --dtype auto / --baseline time one-token passes past a window and on a hybrid."""
+    from dflash_ext.__main__ import time_target_alone
+
+    prompt = list(range(5, 5 + 2 * SLIDING_WINDOW))
+    assert time_target_alone(tiny_family_target(family), prompt, stream=False, reps=2) > 0
