@@ -6,18 +6,21 @@ code share), and which fields are rejected because they change the drafted funct
 some implementation and are not implemented.
 """
 import math
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "target_text_config",
            "SUPPORTED_ROPE_TYPES"]
 
 
 def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
-    """k target layers spread evenly from layer 1 to layer L-3 (the reference's rule)."""
+    """k target layers spread evenly from layer 1 to layer L-3 (the reference's rule), each
+    once: on a target with fewer than k such layers the rule repeats one, which adds nothing
+    to the drafter's input and is rejected in a config (so fewer than k are returned)."""
     if k == 1:
         return [num_target_layers // 2]
-    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
+    spread = [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
+    return sorted(set(spread))
 
 
 # What each config.json key of the reference format does here. A key outside these lists
@@ -49,6 +52,64 @@ _DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_
 # (some checkpoints; vLLM ports), dflash_config.causal (vLLM `_dflash_layer_causal`).
 _CAUSAL_FIELDS = (("is_causal", False), ("is_causal", True), ("causal", True))  # (key, inside dflash_config)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class _Rule(NamedTuple):
+    """What a field's value must be: one of `types` exactly (so a bool is not an int, nor a
+    float or a string an int), and `ok` of it; `need` says both in the error."""
+    types: tuple
+    ok: Callable[[Any], bool]
+    need: str
+
+
+def _finite_positive(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+_INT = (int,)
+_NUMBER = (int, float)  # a float field takes an int too (rope_theta 10000)
+_POSITIVE_INT = _Rule(_INT, lambda v: v > 0, "an int > 0")
+# Each value's own type and range, by its config.json name (the DFlash ones also inside
+# dflash_config); the ranges that involve other fields are DFlashConfig.__post_init__'s.
+_FIELD_RULES = {
+    **{k: _POSITIVE_INT for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "intermediate_size", "vocab_size", "num_target_layers",
+                                  "max_position_embeddings")},
+    "mask_token_id": _Rule(_INT, lambda v: v >= 0, "an int >= 0"),
+    "block_size": _Rule(_INT, lambda v: v >= 2, "an int >= 2"),
+    "draft_vocab_size": _Rule(_INT + (type(None),), lambda v: v is None or v > 0, "an int > 0 or null"),
+    "target_layer_ids": _Rule((list, tuple), lambda v: all(type(i) is int for i in v), "a list of ints"),
+    "rms_norm_eps": _Rule(_NUMBER, _finite_positive, "a finite number > 0"),
+    "rope_theta": _Rule(_NUMBER, _finite_positive, "a finite number > 0"),
+    "sliding_window": _Rule(_INT + (type(None),), lambda v: v is None or v > 0, "an int > 0 or null"),
+    "use_sliding_window": _Rule((bool,), lambda v: True, "true or false"),
+    "max_window_layers": _Rule(_INT, lambda v: v >= 0, "an int >= 0"),
+    "layer_types": _Rule((list, tuple), lambda v: all(t in LAYER_TYPES for t in v),
+                         f"a list of {' or '.join(LAYER_TYPES)}"),
+    **{k: _Rule((bool, type(None)), lambda v: True, "true, false or None (null)") for k in ("is_causal", "causal")},
+}
+
+
+def _check_field(label: str, value, rule: "_Rule") -> None:
+    """Raise naming `label` when `value` breaks `rule`."""
+    if type(value) not in rule.types or not rule.ok(value):
+        raise ValueError(f"{label} must be {rule.need}, got {value!r}")
+
+
+def _check_json_fields(d: dict, dflash: dict) -> None:
+    """Every value of config.json (and its dflash_config) that has a rule, checked as written,
+    before anything converts it."""
+    for prefix, src in (("", d), ("dflash_config.", dflash)):
+        for key, value in src.items():
+            if key in _FIELD_RULES:
+                _check_field(prefix + key, value, _FIELD_RULES[key])
+
+
+try:  # what transformers 5.x's strict config dataclasses raise on a wrongly typed field
+    from huggingface_hub.errors import StrictDataclassError as _TransformersConfigError
+except ImportError:
+    _TransformersConfigError = ValueError
 
 
 def _qwen3_config(**fields):
@@ -85,6 +146,10 @@ class DFlashConfig:
     causal: Optional[bool] = None
 
     def __post_init__(self):
+        for f in fields(self):  # each value's type and range (_FIELD_RULES); None where it is the default
+            value = getattr(self, f.name)
+            if f.name in _FIELD_RULES and not (value is None and f.default is None):
+                _check_field(f.name, value, _FIELD_RULES[f.name])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -92,22 +157,22 @@ class DFlashConfig:
             raise ValueError("dflash_config.target_layer_ids must name at least one target layer")
         bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
         if bad:
-            raise ValueError(f"target_layer_ids {bad} are outside the target's "
-                             f"{self.num_target_layers} layers")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+            raise ValueError(f"dflash_config.target_layer_ids {bad} are outside the target's "
+                             f"{self.num_target_layers} layers (num_target_layers)")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"dflash_config.target_layer_ids {list(self.target_layer_ids)} name a layer twice")
+        if not self.mask_token_id < self.vocab_size:
+            raise ValueError(f"dflash_config.mask_token_id={self.mask_token_id} must be a token id in "
+                             f"[0, vocab_size={self.vocab_size})")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"dflash_config.draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
                 * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers or \
-                not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise ValueError(f"layer_types must name full_attention or sliding_attention for each of the "
                              f"{self.num_hidden_layers} layers, got {self.layer_types}")
-        if self.causal not in (None, True, False):
-            raise ValueError(f"causal must be true, false or None, got {self.causal!r}")
         if any(w and not c for w, c in zip(self.layer_windows, self.layer_causal)):
             # The authors' code and TensorRT-LLM give each query of such a layer a symmetric
             # window (|p - k| < W); block_attention has the causal and the context-truncating
@@ -117,6 +182,7 @@ class DFlashConfig:
                              f"per-query window is not implemented")
         hf = self.hf_config()  # validates the rope parameters as transformers does
         self.rope_parameters = dict(hf.rope_parameters)
+        _check_field("rope_theta", self.rope_parameters.get("rope_theta"), _FIELD_RULES["rope_theta"])
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
@@ -128,7 +194,7 @@ class DFlashConfig:
             hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=float(self.rms_norm_eps), max_position_embeddings=self.max_position_embeddings,
             rope_parameters=dict(self.rope_parameters) if self.rope_parameters else None,
             use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
             layer_types=list(self.layer_types))
@@ -206,32 +272,51 @@ class DFlashConfig:
         return d
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> "DFlashConfig":
-        def need(key):
-            if key not in d:
-                raise ValueError(f"drafter config.json lacks '{key}'")
-            return d[key]
+    def from_json_dict(cls, d: dict, source: str = "config.json") -> "DFlashConfig":
+        """The config of a drafter config.json's contents `d`; every error names `source` (the
+        file it was read from) and the field."""
+        try:
+            return cls._from_json_dict(d)
+        except (ValueError, TypeError, KeyError, _TransformersConfigError) as e:
+            raise ValueError(f"drafter config {source}: {e}") from e
 
-        dflash = need("dflash_config")
+    @classmethod
+    def _from_json_dict(cls, d: dict) -> "DFlashConfig":
+        def need(src, key, prefix=""):
+            if key not in src:
+                raise ValueError(f"lacks '{prefix}{key}'")
+            return src[key]
+
+        if type(d) is not dict:
+            raise ValueError(f"must hold a JSON object, got {type(d).__name__}")
+        dflash = need(d, "dflash_config")
+        if type(dflash) is not dict:
+            raise ValueError(f"dflash_config must be a JSON object, got {dflash!r}")
         _reject_unsupported(d, dflash)
-        need("num_attention_heads"), need("hidden_size")
-        hf = _qwen3_config(**{k: d[k] for k in _QWEN3_KEYS if k in d})
+        for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                    "num_target_layers"):
+            need(d, key)
+        need(dflash, "mask_token_id", "dflash_config.")
+        _check_json_fields(d, dflash)
+        qwen3 = {k: d[k] for k in _QWEN3_KEYS if k in d}
+        if "rms_norm_eps" in qwen3:
+            qwen3["rms_norm_eps"] = float(qwen3["rms_norm_eps"])  # transformers' field takes a float only
+        hf = _qwen3_config(**qwen3)
         return cls(
-            hidden_size=hf.hidden_size, num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-            head_dim=d.get("head_dim") or hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-            num_target_layers=need("num_target_layers"),
+            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"], num_key_value_heads=hf.num_key_value_heads,
+            head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
+            intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+            num_target_layers=d["num_target_layers"],
             target_layer_ids=list(dflash.get("target_layer_ids") or []),
-            mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
-            draft_vocab_size=int(dflash["draft_vocab_size"]) if dflash.get("draft_vocab_size") is not None else None,
+            mask_token_id=dflash["mask_token_id"],
+            block_size=dflash.get("block_size", d.get("block_size", 16)),
+            draft_vocab_size=dflash.get("draft_vocab_size"),
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
             layer_types=list(hf.layer_types), causal=_explicit_causal(d, dflash),
         )
-
 
     @classmethod
     def for_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
@@ -315,18 +400,15 @@ def _reject_unsupported(d: dict, dflash: dict) -> None:
             if key in src and src[key] not in allowed:
                 problems.append(f"{where}{key}={src[key]!r} (supported: {[a for a in allowed if a is not None]})")
     if problems:
-        raise ValueError("drafter config.json: " + "; ".join(problems)
+        raise ValueError("; ".join(problems)
                          + " (README, 'Checkpoints': what is supported)")
 
 
 def _explicit_causal(d: dict, dflash: dict) -> Optional[bool]:
     """The checkpoint's causality override for every layer (None: by layer type)."""
     for key, inner in _CAUSAL_FIELDS:
-        value = (dflash if inner else d).get(key)
+        value = (dflash if inner else d).get(key)  # a bool or None (_check_json_fields)
         if value is not None:
-            if not isinstance(value, bool):
-                raise ValueError(f"drafter config.json: {'dflash_config.' if inner else ''}{key}={value!r} "
-                                 f"must be true, false or null")
             return value
     return None
 
