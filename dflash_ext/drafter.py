@@ -6,6 +6,7 @@ Here: the layers, the context cache (:class:`DraftCache`), the draft step over t
 fused ops (inference) and the differentiable forward over many blocks (training). The
 config is :mod:`dflash_ext.config`; checkpoint files are :mod:`dflash_ext.checkpoint`.
 """
+import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops, reference
-from .checkpoint import read_checkpoint, torch_dtype, write_checkpoint
+from .checkpoint import DRAFT_VOCAB_NAME, read_checkpoint, torch_dtype, write_checkpoint
 from .config import DFlashConfig, target_text_config
 
 __all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "effective_windows", "context_mask", "block_mask"]
@@ -175,10 +176,17 @@ class DFlashDrafter(nn.Module):
         name, or "auto"/None (the checkpoint's dtype); `device` as in ``.to()``."""
         ckpt = read_checkpoint(path, cache_dir, local_files_only, revision)
         drafter = cls(ckpt.config)
-        drafter.load_reference_state_dict(ckpt.state)
-        drafter.acceptance_profile = ckpt.acceptance_profile
+        # the weights' and the vocabulary's checks, each naming where the bad value comes from
+        try:
+            drafter.load_reference_state_dict(ckpt.state)
+        except ValueError as e:
+            raise ValueError(f"{ckpt.path}: {e}") from e
         if ckpt.draft_vocab is not None:
-            drafter.set_draft_vocab(ckpt.draft_vocab)
+            try:
+                drafter.set_draft_vocab(ckpt.draft_vocab)
+            except ValueError as e:
+                raise ValueError(f"{os.path.join(ckpt.path, DRAFT_VOCAB_NAME)}: {e}") from e
+        drafter.acceptance_profile = ckpt.acceptance_profile
         return drafter.to(device=device, dtype=torch_dtype(dtype) or ckpt.dtype)
 
     def load_reference_state_dict(self, state: dict) -> None:
