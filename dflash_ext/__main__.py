@@ -123,6 +123,55 @@ def _is_nonempty_dir(path) -> bool:
     return os.path.isdir(path) and bool(os.listdir(path))
 
 
+def _target_layer_count(target) -> int:
+    """The decoder layers of --target (None: the embedded default), from its config alone."""
+    from transformers import AutoConfig
+
+    from .config import target_text_config
+    from .models import default_target_path
+
+    return target_text_config(AutoConfig.from_pretrained(target or default_target_path())).num_hidden_layers
+
+
+def _check_layer_ids(layer_ids, num_layers):
+    if layer_ids and max(layer_ids) >= num_layers:
+        raise UsageError(f"argument --layer-ids: the target has {num_layers} layers (ids 0..{num_layers - 1}), "
+                         f"got {layer_ids}")
+
+
+def check_train_data(args):
+    """What train's arguments mean for the data and the --out folder, checked before the target loads."""
+    from .training.data import FeatureStore
+    from .training.trainer import STATE_NAME, TrainConfig
+
+    records = _data_records("--data", args.data)
+    if (args.holdout or 0) >= len(records) and not args.extra_data:  # the --extra-data records are training ones
+        raise UsageError(f"argument --holdout: holding out {args.holdout} of the {len(records)} records of "
+                         f"{args.data} leaves none to train on")
+    for folder in args.extra_data or []:
+        _data_records("--extra-data", folder)
+    if args.layer_ids:
+        _check_layer_ids(args.layer_ids, _target_layer_count(args.target))
+    if args.num_layers is not None and args.init not in (None, "random", "target"):
+        with open(os.path.join(args.init, "config.json")) as f:
+            init_layers = json.load(f)["num_hidden_layers"]
+        if args.num_layers < init_layers:
+            raise UsageError(f"argument --num-layers: --init {args.init} has {init_layers} layers; a continuation "
+                             f"can add layers, not drop them, got {args.num_layers}")
+    cached = args.features == "cached" or (args.features in (None, "auto") and len(FeatureStore(args.data)))
+    if args.extra_data and cached:
+        raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
+                         "folder and would be used)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    batch_size = args.batch_size or TrainConfig.batch_size
+    if batch_size % world:
+        raise UsageError(f"argument --batch-size: {batch_size} is not a multiple of the {world} processes")
+    resumable = os.path.exists(os.path.join(args.out, STATE_NAME))
+    if _is_nonempty_dir(args.out) and not resumable and not args.overwrite:
+        raise UsageError(f"argument --out: {args.out} is not empty and has no trainer state to resume from; "
+                         "--overwrite trains into it anyway")
+
+
 class _Streamer:
     """Prints the decoded text of a growing token list as it grows."""
 
@@ -353,7 +402,7 @@ def cmd_info(args):
 
 
 def cmd_gen_data(args):
-    from .config import default_target_layer_ids, target_text_config
+    from .config import default_target_layer_ids
     from .hardware import cpu_description
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts
@@ -364,15 +413,13 @@ def cmd_gen_data(args):
     if args.offset >= len(source):
         raise UsageError(f"argument --offset: {args.prompts} has {len(source)} prompts, got offset {args.offset}")
     prompts = source[args.offset:args.offset + args.n]
-    dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
-    model, tok = load_target(args.target, dtype=dtype)
-    num_layers = target_text_config(model.config).num_hidden_layers
+    num_layers = _target_layer_count(args.target)  # the features would fail only after every response
     if not args.layer_ids and args.num_features > num_layers:
         raise UsageError(f"argument --num-features: the target has {num_layers} layers, got {args.num_features}")
+    _check_layer_ids(args.layer_ids, num_layers)
     layer_ids = args.layer_ids or default_target_layer_ids(num_layers, args.num_features)
-    if max(layer_ids) >= num_layers:  # before generating: the features would fail only after every response
-        raise UsageError(f"argument --layer-ids: the target has {num_layers} layers (ids 0..{num_layers - 1}), "
-                         f"got {layer_ids}")
+    dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
+    model, tok = load_target(args.target, dtype=dtype)
     id_base = TRAINING_SOURCES[args.prompts][1] + args.offset
     before = len(load_records(args.out)) if os.path.isdir(args.out) else 0
     start = time.perf_counter()
@@ -395,31 +442,6 @@ def cmd_gen_data(args):
         json.dump(meta, f, indent=2)
     print(f"[dflash_ext] {n} records in {args.out} ({n - before} new in {seconds:.0f} s)"
           + ("" if args.no_features else ", with features"), file=sys.stderr)
-
-
-def check_train_data(args):
-    """What train's arguments mean for the data and the --out folder, checked before the target loads."""
-    from .training.data import FeatureStore
-    from .training.trainer import STATE_NAME, TrainConfig
-
-    records = _data_records("--data", args.data)
-    if (args.holdout or 0) >= len(records) and not args.extra_data:  # the --extra-data records are training ones
-        raise UsageError(f"argument --holdout: holding out {args.holdout} of the {len(records)} records of "
-                         f"{args.data} leaves none to train on")
-    for folder in args.extra_data or []:
-        _data_records("--extra-data", folder)
-    cached = args.features == "cached" or (args.features in (None, "auto") and len(FeatureStore(args.data)))
-    if args.extra_data and cached:
-        raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
-                         "folder and would be used)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    batch_size = args.batch_size or TrainConfig.batch_size
-    if batch_size % world:
-        raise UsageError(f"argument --batch-size: {batch_size} is not a multiple of the {world} processes")
-    resumable = os.path.exists(os.path.join(args.out, STATE_NAME))
-    if _is_nonempty_dir(args.out) and not resumable and not args.overwrite:
-        raise UsageError(f"argument --out: {args.out} is not empty and has no trainer state to resume from; "
-                         "--overwrite trains into it anyway")
 
 
 def cmd_train(args):

@@ -37,6 +37,13 @@ def data(tmp_path):
 
 
 @pytest.fixture
+def target_dir(tmp_path):
+    """A target folder with its config only (6 layers): enough for the checks, which load no weights."""
+    tiny_target_config().save_pretrained(tmp_path / "target")
+    return str(tmp_path / "target")
+
+
+@pytest.fixture
 def drafter_dir(tmp_path):
     DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
     return str(tmp_path / "drafter")
@@ -188,17 +195,26 @@ def test_gen_data_offset_past_the_prompts_is_refused_before_loading(tmp_path, mo
     assert "argument --offset:" in err and "3 prompts" in err
 
 
-def test_gen_data_layer_ids_past_the_target_are_refused_before_generating(tmp_path, monkeypatch, capsys):
+def test_layer_ids_past_the_target_are_refused_before_loading(tmp_path, data, target_dir, monkeypatch,
+                                                              nothing_loads, capsys):
     import dflash_ext.prompts
-    import dflash_ext.training.data
 
     monkeypatch.setattr(dflash_ext.prompts, "training_prompts", lambda source: ["a", "b", "c"])
-    monkeypatch.setattr(dflash_ext.models, "load_target", lambda *a, **k: (tiny_target(), None))  # 6 layers
-    monkeypatch.setattr(dflash_ext.training.data, "generate_responses", _refuse_loading)
-    err = _usage_error(["gen-data", "--out", str(tmp_path / "o"), "--layer-ids", "1", "99"], capsys)
+    gen_data = ["gen-data", "--out", str(tmp_path / "o"), "--target", target_dir]
+    err = _usage_error(gen_data + ["--layer-ids", "1", "99"], capsys)  # failed after every response was generated
     assert "argument --layer-ids:" in err and "6 layers" in err
-    err = _usage_error(["gen-data", "--out", str(tmp_path / "o"), "--num-features", "7"], capsys)
-    assert "argument --num-features:" in err
+    assert "argument --num-features:" in _usage_error(gen_data + ["--num-features", "7"], capsys)
+    err = _usage_error(["train", "--data", data, "--out", str(tmp_path / "o"), "--target", target_dir,
+                        "--layer-ids", "6"], capsys)
+    assert "argument --layer-ids:" in err and "6 layers" in err
+
+
+def test_init_with_fewer_layers_than_its_own_is_refused_before_loading(tmp_path, data, drafter_dir, nothing_loads,
+                                                                      capsys):
+    DFlashDrafter.from_target(tiny_target_config(), num_layers=2, block_size=4).save_pretrained(tmp_path / "two")
+    err = _usage_error(["train", "--data", data, "--out", str(tmp_path / "o"), "--init", str(tmp_path / "two"),
+                        "--num-layers", "1"], capsys)
+    assert "argument --num-layers:" in err and "2 layers" in err
 
 
 def test_load_target_says_a_missing_folder_is_missing():
