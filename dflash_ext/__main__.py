@@ -150,6 +150,8 @@ def check_train_data(args):
                          f"{args.data} leaves none to train on")
     for folder in args.extra_data or []:
         _data_records("--extra-data", folder)
+    if args.eval_every and not args.holdout:  # the trainer would skip every measurement
+        raise UsageError("argument --eval-every: measures tau on held-out records, and --holdout holds none out")
     if args.layer_ids:
         _check_layer_ids(args.layer_ids, _target_layer_count(args.target))
     if args.num_layers is not None and args.init not in (None, "random", "target"):
@@ -500,6 +502,8 @@ def cmd_export(args):
     # Everything checked before anything is written.
     if _is_nonempty_dir(args.dst) and not args.overwrite:
         raise UsageError(f"argument --dst: {args.dst} exists and is not empty; --overwrite replaces its checkpoint")
+    if args.data is not None and not args.draft_vocab:
+        raise UsageError("argument --data: only --draft-vocab K > 0 reads it")
     if args.draft_vocab:
         if args.data is None:
             raise UsageError("argument --draft-vocab: K > 0 needs --data (the training data folder whose "

@@ -133,6 +133,8 @@ def test_data_checks_run_before_anything_loads(tmp_path, data, drafter_dir, noth
         (["eval", "--data", str(empty), "--drafter", drafter_dir], "--data"),
         (["train", "--data", str(empty), "--out", str(tmp_path / "o")], "--data"),
         (["train", "--data", data, "--out", str(tmp_path / "o"), "--holdout", "6"], "--holdout"),
+        (["train", "--data", data, "--out", str(tmp_path / "o"), "--eval-every", "5"], "--eval-every"),
+        (["export", "--src", drafter_dir, "--dst", str(tmp_path / "o"), "--data", data], "--data"),  # was ignored
     ]
     for argv, flag in cases:
         assert f"argument {flag}:" in _usage_error(argv, capsys), argv
