@@ -10,6 +10,7 @@ import dflash_ext.models
 from dflash_ext.__main__ import main
 from dflash_ext.drafter import DFlashDrafter
 from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from python_tests.test_demo import _Tokenizer as ChatTokenizer  # the little of a tokenizer generate uses
 
 
 def _refuse_loading(*args, **kwargs):
@@ -224,20 +225,9 @@ def test_load_target_says_a_missing_folder_is_missing():
         dflash_ext.models.load_target("/nonexistent/target", tokenizer=False)
 
 
-class _ChatTokenizer:
-    """The little of a tokenizer that generate uses."""
-    eos_token_id = None
-
-    def apply_chat_template(self, messages, add_generation_prompt, return_dict):
-        return {"input_ids": [1, 2, 3, 4]}
-
-    def decode(self, tokens, skip_special_tokens):
-        return " ".join(map(str, tokens))
-
-
 def test_generate_at_block_size_1_with_a_fresh_drafter_runs_the_target_alone(monkeypatch, capsys):
     # a fresh drafter was made with block_size 1, which no drafter config accepts
-    monkeypatch.setattr(dflash_ext.models, "load_target", lambda *a, **k: (tiny_target(), _ChatTokenizer()))
+    monkeypatch.setattr(dflash_ext.models, "load_target", lambda *a, **k: (tiny_target(), ChatTokenizer()))
     main(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "1", "--dtype", "float32",
           "--max-new-tokens", "3", "--draft-layers", "1"])
     assert "block size 1: the target alone" in capsys.readouterr().err
