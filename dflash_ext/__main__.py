@@ -10,11 +10,168 @@ says what was built and what runs here.
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import time
 
 import torch
+
+
+# ---------------------------------------------------------------- argument checks
+# argparse `type=` callables: a bad value ends in "argument --FLAG: must be ..., got X" and
+# exit status 2 before anything loads (no value outside its range is silently a default).
+
+class UsageError(Exception):
+    """A bad argument found by a command (one that needs the data or the model to see it):
+    main() reports it as argparse does, with exit status 2."""
+
+
+def _checked(cast, ok, what):
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse's own messages name the type
+    return parse
+
+
+positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+nonnegative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+int_from_2 = _checked(int, lambda v: v >= 2, "an integer >= 2")
+positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+probability = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fails too
+seed_int = _checked(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")  # torch.Generator's range
+
+
+def parse_block_size(text):
+    return text if text == "auto" else _checked(int, lambda v: v >= 1, "auto or an integer >= 1")(text)
+
+
+def existing_dir(text):
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text}")
+    return text
+
+
+def output_dir(text):
+    """A folder to write into: it may exist (what is in it is each command's affair), but as a folder."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
+def output_file(text):
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: is a directory" if os.path.isdir(text)
+                                         else f"{text}: no such directory {folder}")
+    return text
+
+
+def target_name(text):
+    """--target: a local model folder or a Hugging Face repo id; what can only be a path must exist."""
+    from .models import looks_like_local_path
+
+    if looks_like_local_path(text) and not os.path.isdir(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    return text
+
+
+def drafter_folder(text):
+    """A drafter checkpoint folder (reference format: config.json and the weights)."""
+    existing_dir(text)
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text} has no config.json: not a drafter checkpoint")
+    return text
+
+
+def drafter_init(text):
+    return text if text in ("random", "target") else drafter_folder(text)
+
+
+def torch_device(text):
+    """cpu, cuda or cuda:N, N one of this machine's GPUs. Kept as text: the commands read it so."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def _data_records(flag, folder):
+    """The records of a gen-data folder, or a usage error naming `flag` when it has none."""
+    from .training.data import load_records
+
+    records = load_records(folder)
+    if not records:
+        raise UsageError(f"argument {flag}: {folder} has no gen-data records (responses-*.jsonl)")
+    return records
+
+
+def _is_nonempty_dir(path) -> bool:
+    return os.path.isdir(path) and bool(os.listdir(path))
+
+
+def _target_layer_count(target) -> int:
+    """The decoder layers of --target (None: the embedded default), from its config alone."""
+    from transformers import AutoConfig
+
+    from .config import target_text_config
+    from .models import default_target_path
+
+    return target_text_config(AutoConfig.from_pretrained(target or default_target_path())).num_hidden_layers
+
+
+def _check_layer_ids(layer_ids, num_layers):
+    if layer_ids and max(layer_ids) >= num_layers:
+        raise UsageError(f"argument --layer-ids: the target has {num_layers} layers (ids 0..{num_layers - 1}), "
+                         f"got {layer_ids}")
+
+
+def check_train_data(args):
+    """What train's arguments mean for the data and the --out folder, checked before the target loads."""
+    from .training.data import FeatureStore
+    from .training.trainer import STATE_NAME, TrainConfig
+
+    records = _data_records("--data", args.data)
+    if (args.holdout or 0) >= len(records) and not args.extra_data:  # the --extra-data records are training ones
+        raise UsageError(f"argument --holdout: holding out {args.holdout} of the {len(records)} records of "
+                         f"{args.data} leaves none to train on")
+    for folder in args.extra_data or []:
+        _data_records("--extra-data", folder)
+    if args.eval_every and not args.holdout:  # the trainer would skip every measurement
+        raise UsageError("argument --eval-every: measures tau on held-out records, and --holdout holds none out")
+    if args.layer_ids:
+        _check_layer_ids(args.layer_ids, _target_layer_count(args.target))
+    if args.num_layers is not None and args.init not in (None, "random", "target"):
+        with open(os.path.join(args.init, "config.json")) as f:
+            init_layers = json.load(f)["num_hidden_layers"]
+        if args.num_layers < init_layers:
+            raise UsageError(f"argument --num-layers: --init {args.init} has {init_layers} layers; a continuation "
+                             f"can add layers, not drop them, got {args.num_layers}")
+    cached = args.features == "cached" or (args.features in (None, "auto") and len(FeatureStore(args.data)))
+    if args.extra_data and cached:
+        raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
+                         "folder and would be used)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    batch_size = args.batch_size or TrainConfig.batch_size
+    if batch_size % world:
+        raise UsageError(f"argument --batch-size: {batch_size} is not a multiple of the {world} processes")
+    resumable = os.path.exists(os.path.join(args.out, STATE_NAME))
+    if _is_nonempty_dir(args.out) and not resumable and not args.overwrite:
+        raise UsageError(f"argument --out: {args.out} is not empty and has no trainer state to resume from; "
+                         "--overwrite trains into it anyway")
 
 
 class _Streamer:
@@ -49,10 +206,6 @@ def resolve_dtype(name: str, device) -> torch.dtype:
     from .hardware import fastest_dtype
 
     return fastest_dtype(device) if name == "auto" else getattr(torch, name)
-
-
-def parse_block_size(text):
-    return text if text == "auto" else int(text)
 
 
 def _name(dtype) -> str:
@@ -160,10 +313,14 @@ def cmd_generate(args):
                   file=sys.stderr)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-        drafter.check_fits(model.config)
+        try:
+            drafter.check_fits(model.config)
+        except ValueError as e:
+            raise UsageError(f"argument --drafter: {e}")
         note = f"drafter: {args.drafter}"
     else:
-        fresh_block = args.block_size if isinstance(args.block_size, int) else 16
+        # a drafter's block is >= 2; at --block-size 1 it drafts nothing anyway
+        fresh_block = args.block_size if isinstance(args.block_size, int) and args.block_size >= 2 else 16
         drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
                                             block_size=fresh_block).to(args.device, dtype)
         note = ("drafter: freshly initialised (untrained; it accepts almost nothing, tau ~ 1: "
@@ -247,18 +404,24 @@ def cmd_info(args):
 
 
 def cmd_gen_data(args):
-    from .config import default_target_layer_ids, target_text_config
+    from .config import default_target_layer_ids
     from .hardware import cpu_description
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts
     from .training.data import compute_features, generate_responses, load_records
 
     torch.set_num_threads(args.threads)
+    source = training_prompts(args.prompts)
+    if args.offset >= len(source):
+        raise UsageError(f"argument --offset: {args.prompts} has {len(source)} prompts, got offset {args.offset}")
+    prompts = source[args.offset:args.offset + args.n]
+    num_layers = _target_layer_count(args.target)  # the features would fail only after every response
+    if not args.layer_ids and args.num_features > num_layers:
+        raise UsageError(f"argument --num-features: the target has {num_layers} layers, got {args.num_features}")
+    _check_layer_ids(args.layer_ids, num_layers)
+    layer_ids = args.layer_ids or default_target_layer_ids(num_layers, args.num_features)
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
-    layer_ids = args.layer_ids or default_target_layer_ids(target_text_config(model.config).num_hidden_layers,
-                                                           args.num_features)
-    prompts = training_prompts(args.prompts)[args.offset:args.offset + args.n]
     id_base = TRAINING_SOURCES[args.prompts][1] + args.offset
     before = len(load_records(args.out)) if os.path.isdir(args.out) else 0
     start = time.perf_counter()
@@ -308,9 +471,21 @@ def cmd_eval(args):
     from .models import load_target
     from .training.trainer import TrainConfig, evaluate_drafter
 
+    from .training.data import drop_trained_prompts, split_holdout
+
     torch.set_num_threads(args.threads)
+    _, heldout = split_holdout(_data_records("--data", args.data), args.holdout)
+    for folder in args.extra_data or []:
+        heldout = drop_trained_prompts(heldout, _data_records("--extra-data", folder))
+    if not heldout:
+        raise UsageError(f"argument --holdout: the {args.holdout} highest-id records of {args.data} all have a "
+                         "training record's prompt: none is left to measure tau on (a larger --holdout holds out more)")
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)
+    try:
+        drafter.check_fits(target.config)
+    except ValueError as e:
+        raise UsageError(f"argument --drafter: {e}")
     cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
                       eval_stride=args.eval_stride, extra_data=args.extra_data or [],
                       features="live" if args.extra_data else "auto")
@@ -321,17 +496,30 @@ def cmd_eval(args):
 
 def cmd_export(args):
     from .drafter import DFlashDrafter
+    from .training.data import split_holdout
+    from .training.trainer import most_frequent_tokens
 
+    # Everything checked before anything is written.
+    if _is_nonempty_dir(args.dst) and not args.overwrite:
+        raise UsageError(f"argument --dst: {args.dst} exists and is not empty; --overwrite replaces its checkpoint")
+    if args.data is not None and not args.draft_vocab:
+        raise UsageError("argument --data: only --draft-vocab K > 0 reads it")
+    if args.draft_vocab:
+        if args.data is None:
+            raise UsageError("argument --draft-vocab: K > 0 needs --data (the training data folder whose "
+                             "response tokens are counted)")
+        all_records = _data_records("--data", args.data)
+        records, _ = split_holdout(all_records, args.holdout)
+        if not records:  # counting nothing would pick token ids 0..K-1
+            raise UsageError(f"argument --holdout: holding out {args.holdout} of the {len(all_records)} records "
+                             f"of {args.data} leaves none to count tokens on")
     drafter = DFlashDrafter.from_pretrained(args.src)
     if args.draft_vocab == 0:
         drafter.set_draft_vocab(None)
     elif args.draft_vocab is not None:
-        from .training.data import load_records, split_holdout
-        from .training.trainer import most_frequent_tokens
-
-        if args.data is None:
-            raise SystemExit("export --draft-vocab K needs --data (the training data folder)")
-        records, _ = split_holdout(load_records(args.data), args.holdout)
+        if args.draft_vocab > drafter.config.vocab_size:
+            raise UsageError(f"argument --draft-vocab: {args.src} has a vocabulary of {drafter.config.vocab_size} "
+                             f"tokens, got K = {args.draft_vocab}")
         ids, coverage = most_frequent_tokens(records, drafter.config.vocab_size, args.draft_vocab)
         drafter.set_draft_vocab(ids)
         print(f"[dflash_ext] draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f} % of the response "
@@ -346,122 +534,120 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="speculative generation with streaming output and statistics")
     g.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
-    g.add_argument("--target", default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
-    g.add_argument("--drafter", default=None, help="DFlash drafter checkpoint folder (reference format); "
+    g.add_argument("--target", type=target_name, default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
+    g.add_argument("--drafter", type=drafter_folder, default=None, help="DFlash drafter checkpoint folder (reference format); "
                    "default for the embedded target: the one shipped in the package (python -m dflash_ext info)")
     g.add_argument("--fresh-drafter", action="store_true",
                    help="use a freshly initialised drafter even when the trained default exists")
     g.add_argument("--block-size", type=parse_block_size, default="auto",
                    help="verify block size, or auto (default): the best for this machine's measured verify "
                         "cost and the drafter's acceptance profile")
-    g.add_argument("--draft-layers", type=int, default=5, help="layers of a freshly initialised drafter")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--draft-layers", type=positive_int, default=5, help="layers of a freshly initialised drafter")
+    g.add_argument("--temperature", type=nonnegative_float, default=0.0)
+    g.add_argument("--top-k", type=nonnegative_int, default=0, help="0: off")
+    g.add_argument("--top-p", type=probability, default=1.0)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--baseline", action="store_true",
                    help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target and drafter dtype; auto = the dtype in which the target alone runs fastest here "
                         "(timed at start, one token per pass)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--threads", type=int, default=2)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--json", default=None, help="write the statistics to this JSON file")
+    g.add_argument("--device", type=torch_device, default="cpu")
+    g.add_argument("--threads", type=positive_int, default=2)
+    g.add_argument("--seed", type=seed_int, default=0)
+    g.add_argument("--json", type=output_file, default=None, help="write the statistics to this JSON file")
     d = sub.add_parser("gen-data", help="answer training prompts with the target (its own responses) + cache its features")
-    d.add_argument("--out", required=True)
-    d.add_argument("--target", default=None)
+    d.add_argument("--out", type=output_dir, required=True,
+                   help="records folder; an existing one is resumed (its records are kept, their prompts skipped)")
+    d.add_argument("--target", type=target_name, default=None)
     d.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "sharegpt-later-turns", "stdlib-code"],
                    help="training prompt source (never an evaluation set; dflash_ext/prompts.py says what each is)")
-    d.add_argument("--n", type=int, default=512, help="prompts to answer: the source's first N after --offset")
-    d.add_argument("--offset", type=int, default=0, help="skip the source's first OFFSET prompts (e.g. a held-out "
+    d.add_argument("--n", type=positive_int, default=512, help="prompts to answer: the source's first N after --offset")
+    d.add_argument("--offset", type=nonnegative_int, default=0, help="skip the source's first OFFSET prompts (e.g. a held-out "
                                                           "slice past the ones trained on)")
-    d.add_argument("--max-new-tokens", type=int, default=160)
-    d.add_argument("--max-prompt-tokens", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=64)
-    d.add_argument("--num-features", type=int, default=5, help="k target layers (default rule)")
-    d.add_argument("--layer-ids", type=int, nargs="*", default=None)
+    d.add_argument("--max-new-tokens", type=positive_int, default=160)
+    d.add_argument("--max-prompt-tokens", type=positive_int, default=256)
+    d.add_argument("--batch-size", type=positive_int, default=64)
+    d.add_argument("--num-features", type=positive_int, default=5, help="k target layers (default rule)")
+    d.add_argument("--layer-ids", type=nonnegative_int, nargs="*", default=None)
     d.add_argument("--no-features", action="store_true",
                    help="responses only (train with --features live: no 5.6 KiB/token feature cache)")
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="target dtype for generation; auto = bfloat16 where the CPU has bf16 units")
-    d.add_argument("--threads", type=int, default=2)
+    d.add_argument("--threads", type=positive_int, default=2)
     t = sub.add_parser("train", help="train a DFlash drafter on a gen-data folder (torchrun for data parallel)")
-    t.add_argument("--data", required=True, help="gen-data folder; its highest ids are the held-out records")
-    t.add_argument("--extra-data", nargs="*", default=None,
+    t.add_argument("--data", type=existing_dir, required=True, help="gen-data folder; its highest ids are the held-out records")
+    t.add_argument("--extra-data", type=existing_dir, nargs="*", default=None,
                    help="more gen-data folders (other prompt sources), training only: never held out")
-    t.add_argument("--out", required=True, help="checkpoint folder (reference format); resumes if it has a trainer state")
-    t.add_argument("--target", default=None)
-    t.add_argument("--num-layers", type=int, default=None,
+    t.add_argument("--out", type=output_dir, required=True,
+                   help="checkpoint folder (reference format); resumes if it has a trainer state")
+    t.add_argument("--overwrite", action="store_true",
+                   help="train into a non-empty --out that has no trainer state (its files are replaced)")
+    t.add_argument("--target", type=target_name, default=None)
+    t.add_argument("--num-layers", type=positive_int, default=None,
                    help="drafter layers (default 5; with --init DIR its own count, or more: new layers are appended)")
-    t.add_argument("--block-size", type=int, default=None)
-    t.add_argument("--anchors", type=int, default=None, help="anchors per sequence per epoch (paper 512)")
-    t.add_argument("--gamma", type=float, default=None)
-    t.add_argument("--lr", type=float, default=None)
-    t.add_argument("--epochs", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=None, help="global sequences per optimizer step")
-    t.add_argument("--max-len", type=int, default=None)
-    t.add_argument("--max-steps", type=int, default=None)
-    t.add_argument("--save-every", type=int, default=None)
-    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--block-size", type=int_from_2, default=None)
+    t.add_argument("--anchors", type=positive_int, default=None, help="anchors per sequence per epoch (paper 512)")
+    t.add_argument("--gamma", type=positive_float, default=None)
+    t.add_argument("--lr", type=positive_float, default=None)
+    t.add_argument("--epochs", type=positive_int, default=None)
+    t.add_argument("--batch-size", type=positive_int, default=None, help="global sequences per optimizer step")
+    t.add_argument("--max-len", type=int_from_2, default=None)
+    t.add_argument("--max-steps", type=positive_int, default=None)
+    t.add_argument("--save-every", type=positive_int, default=None)
+    t.add_argument("--seed", type=seed_int, default=None)
     t.add_argument("--autocast", default=None, choices=["auto", "bf16", "none"])
     t.add_argument("--features", default=None, choices=["auto", "cached", "live"],
                    help="target features from the folder's cache or a target forward per sequence")
-    t.add_argument("--layer-ids", type=int, nargs="*", default=None, help="target layers (default: meta.json or the default rule)")
-    t.add_argument("--holdout", type=int, default=None, help="records (highest ids) kept out to measure held-out tau")
-    t.add_argument("--eval-every", type=int, default=None, help="steps between held-out tau measurements")
-    t.add_argument("--init", default=None,
+    t.add_argument("--layer-ids", type=nonnegative_int, nargs="*", default=None, help="target layers (default: meta.json or the default rule)")
+    t.add_argument("--holdout", type=nonnegative_int, default=None, help="records (highest ids) kept out to measure held-out tau")
+    t.add_argument("--eval-every", type=nonnegative_int, default=None, help="steps between held-out tau measurements")
+    t.add_argument("--init", type=drafter_init, default=None,
                    help="random (default), target (layers from the target's last layers), or a drafter "
                         "folder to continue from (its weights, a fresh optimizer)")
-    t.add_argument("--loss-vocab", type=int, default=None,
+    t.add_argument("--loss-vocab", type=nonnegative_int, default=None,
                    help="softmax of the loss over the K most frequent response tokens, recorded as the "
                         "checkpoint's draft vocabulary (0 = all)")
-    t.add_argument("--eval-stride", type=int, default=None, help="held-out anchors every N response positions")
-    t.add_argument("--log-every", type=int, default=None)
-    t.add_argument("--device", default="cpu")
-    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--eval-stride", type=positive_int, default=None, help="held-out anchors every N response positions")
+    t.add_argument("--log-every", type=positive_int, default=None)
+    t.add_argument("--device", type=torch_device, default="cpu")
+    t.add_argument("--threads", type=positive_int, default=2)
     v = sub.add_parser("eval", help="held-out tau of a drafter on the records a training run holds out")
-    v.add_argument("--data", required=True)
-    v.add_argument("--drafter", required=True)
-    v.add_argument("--target", default=None)
-    v.add_argument("--holdout", type=int, default=64,
+    v.add_argument("--data", type=existing_dir, required=True)
+    v.add_argument("--drafter", type=drafter_folder, required=True)
+    v.add_argument("--target", type=target_name, default=None)
+    v.add_argument("--holdout", type=positive_int, default=64,
                    help="the highest-id records of --data, less those whose prompt a training record has")
-    v.add_argument("--extra-data", nargs="*", default=None,
+    v.add_argument("--extra-data", type=existing_dir, nargs="*", default=None,
                    help="the run's --extra-data folders: held-out records with one of their prompts are left out")
-    v.add_argument("--eval-stride", type=int, default=8)
-    v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--eval-stride", type=positive_int, default=8)
+    v.add_argument("--threads", type=positive_int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
-    e.add_argument("--src", required=True)
-    e.add_argument("--dst", required=True)
+    e.add_argument("--src", type=drafter_folder, required=True)
+    e.add_argument("--dst", type=output_dir, required=True)
+    e.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst (its checkpoint is replaced)")
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+    e.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="K",
                    help="give the drafter a draft vocabulary: the K most frequent response tokens of --data "
                         "(0: remove it); default: keep the source's")
-    e.add_argument("--data", default=None, help="training data folder of --draft-vocab (gen-data output)")
-    e.add_argument("--holdout", type=int, default=64, help="highest-id records of --data left out of the count")
+    e.add_argument("--data", type=existing_dir, default=None, help="training data folder of --draft-vocab (gen-data output)")
+    e.add_argument("--holdout", type=nonnegative_int, default=64, help="highest-id records of --data left out of the count")
     i = sub.add_parser("info", help="versions, CUDA architectures built and usable, CPU ISA and op paths, the "
                                     "default target and drafter: what a bug report needs")
     i.add_argument("--json", action="store_true", help="the report as JSON")
     args = p.parse_args(argv)
-    if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
-        from . import hardware
+    commands = {"generate": cmd_generate, "gen-data": cmd_gen_data, "train": cmd_train, "eval": cmd_eval,
+                "export": cmd_export, "info": cmd_info}
+    try:
+        if args.command == "train":
+            check_train_data(args)
+        if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
+            from . import hardware
 
-        hardware.keep_freed_memory()
-    if args.command == "generate":
-        if args.drafter is not None:
-            if not os.path.isdir(args.drafter):
-                p.error(f"--drafter {args.drafter}: no such directory")
-        cmd_generate(args)
-    elif args.command == "gen-data":
-        cmd_gen_data(args)
-    elif args.command == "train":
-        cmd_train(args)
-    elif args.command == "eval":
-        cmd_eval(args)
-    elif args.command == "export":
-        cmd_export(args)
-    elif args.command == "info":
-        cmd_info(args)
+            hardware.keep_freed_memory()
+        commands[args.command](args)
+    except UsageError as e:
+        sub.choices[args.command].error(str(e))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 __all__ = ["DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_path",
-           "default_drafter_path", "load_default_target", "load_target"]
+           "default_drafter_path", "load_default_target", "load_target", "looks_like_local_path"]
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,12 +99,21 @@ def _convert_gguf(folder: str) -> None:
     print("[dflash_ext] conversion done", file=sys.stderr, flush=True)
 
 
+def looks_like_local_path(name: str) -> bool:
+    """Whether a target name can only mean a folder: a Hugging Face repo id is "name" or
+    "org/name", never starting with ".", "/" or "~"."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def load_target(path: str = None, dtype=torch.float32, device="cpu", tokenizer: bool = True):
-    """(model, tokenizer) of a Hugging Face causal LM folder; the embedded default when
-    `path` is None. `tokenizer=False` skips the tokenizer (returns None for it)."""
+    """(model, tokenizer) of a Hugging Face causal LM folder (or hub repo id); the embedded
+    default when `path` is None. `tokenizer=False` skips the tokenizer (returns None for it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = path or default_target_path()
+    if path and looks_like_local_path(path) and not os.path.isdir(os.path.expanduser(path)):
+        # transformers would take it for a repo id and complain about its characters instead
+        raise FileNotFoundError(f"target {path}: no such directory")
+    path = os.path.expanduser(path) if path else default_target_path()
     tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tok
