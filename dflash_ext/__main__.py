@@ -289,14 +289,16 @@ def cmd_train(args):
     import torch.distributed as dist
 
     from .models import load_target
-    from .training.trainer import TrainConfig, train
+    from .training.trainer import TrainConfig, run_config, train
 
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # launched by torchrun
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    # Only the flags given (not None): resuming a saved run, the others take its values, not
+    # TrainConfig's defaults, and a given one that differs from the saved run is an error.
+    cfg, _ = run_config({k: v for k, v in vars(args).items() if k in fields and v is not None})
     target, _ = load_target(args.target, device=args.device, tokenizer=False)
     train(cfg, target, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
     if world > 1:
