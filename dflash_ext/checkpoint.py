@@ -190,6 +190,7 @@ def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
     """Write one file through a hidden temporary sibling (`write(tmp_path)`), flushed to disk
     and renamed over `path`: readers see the old file or the whole new one."""
     parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+    _remove_dead_writers_leftovers(parent, name)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent)
     os.close(fd)
     try:
