@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Union
@@ -166,7 +165,8 @@ def write_folder_atomically(path: str, files: Dict[str, Union[bytes, Callable[[s
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     _remove_dead_writers_leftovers(parent, name)
-    new = tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent)
+    new = _temporary_sibling(parent, name)
+    os.mkdir(new)  # not tempfile's: its 0700 would become the checkpoint's mode; this one follows the umask
     try:
         for file_name, content in files.items():
             file_path = os.path.join(new, file_name)
@@ -176,12 +176,12 @@ def write_folder_atomically(path: str, files: Dict[str, Union[bytes, Callable[[s
             else:
                 content(file_path)
             _fsync(file_path)
-        _fsync(new)
+        _fsync_folder(new)
         old = _swap_in(new, path)
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
-    _fsync(parent)
+    _fsync_folder(parent)
     if old is not None:
         _remove(old)
 
@@ -191,8 +191,7 @@ def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
     and renamed over `path`: readers see the old file or the whole new one."""
     parent, name = os.path.split(os.path.abspath(os.fspath(path)))
     _remove_dead_writers_leftovers(parent, name)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent)
-    os.close(fd)
+    tmp = _temporary_sibling(parent, name)  # created by `write`, with the mode the umask gives
     try:
         write(tmp)
         _fsync(tmp)
@@ -201,7 +200,13 @@ def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    _fsync(parent)
+    _fsync_folder(parent)
+
+
+def _temporary_sibling(parent: str, name: str) -> str:
+    """A fresh hidden name beside `name`; the writer's pid in it tells a later save whether
+    the writer is still alive (:func:`_remove_dead_writers_leftovers`)."""
+    return os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
 def _fsync(path: str) -> None:
@@ -210,6 +215,12 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_folder(path: str) -> None:
+    """Make the renames in a folder durable (POSIX; Windows cannot open a folder so)."""
+    if os.name != "nt":
+        _fsync(path)
 
 
 def _remove(path: str) -> None:

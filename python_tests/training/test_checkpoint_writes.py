@@ -178,3 +178,17 @@ def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_checkpoint(tmp_pa
         writer.wait()
     write_checkpoint(folder, *v["a"])  # the next save removes what the killed writers left
     assert files_of(tmp_path / "out") == ["ckpt"]
+
+
+def test_a_saved_folder_and_its_files_have_the_modes_the_umask_gives(tmp_path):
+    """Built under a temporary name, the folder must not keep a private temporary mode."""
+    v = two_versions()
+    mask = os.umask(0o022)
+    try:
+        write_checkpoint(str(tmp_path / "ckpt"), *v["a"])
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
+    # (safetensors creates its file 0600 itself, as it did before)
+    assert {(tmp_path / "ckpt" / n).stat().st_mode & 0o777 for n in files_of(tmp_path / "ckpt")
+            if n.endswith(".json")} == {0o644}
