@@ -130,8 +130,9 @@ def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Ten
     write_folder_atomically(path, files)
 
 
-# Files a checkpoint folder may hold besides the ones write_checkpoint writes: a model card
-# (the shipped drafter has one, as Hugging Face repos do). A save replaces them too.
+# Files a checkpoint folder may hold besides the ones write_checkpoint writes (and weights in
+# Hugging Face's sharded form): a model card (the shipped drafter has one, as Hugging Face
+# repos do). A save replaces them too.
 _CHECKPOINT_COMPANIONS = {"README.md", ".gitattributes"}
 
 
@@ -147,7 +148,7 @@ def _refuse_foreign_folder(path: str, extra_names: Set[str]) -> None:
         return
     ours = {CONFIG_NAME, ACCEPTANCE_NAME, DRAFT_VOCAB_NAME} | _CHECKPOINT_COMPANIONS | extra_names
     foreign = [n for n in names if not (os.path.isfile(os.path.join(path, n))
-                                        and (n in ours or n.endswith(".safetensors")))]
+                                        and (n in ours or n.endswith((".safetensors", ".safetensors.index.json"))))]
     if CONFIG_NAME not in names or foreign:
         shown = foreign or names
         raise ValueError(f"cannot save a drafter checkpoint to {path}: it is not a drafter checkpoint folder "

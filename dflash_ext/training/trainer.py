@@ -424,6 +424,8 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         step, seen_slots = st["step"], st.get("slot_tokens", 0)
+        # a folder of an older version appended evaluations between saves: none past the saved step
+        eval_lines = [line for line in eval_lines if line.strip() and json.loads(line)["step"] <= step]
         log(f"[train] resumed at step {step}/{total}")
     log(f"[train] {len(records)} training records, {len(heldout)} held out; features {features.mode}; "
         f"bf16 autocast {'on' if use_autocast else 'off'}; {total} steps"

@@ -88,6 +88,17 @@ def test_a_folder_set_aside_by_a_killed_fallback_swap_is_put_back(tmp_path):
     assert_holds(tmp_path / "ckpt", v["a"])
 
 
+def test_sharded_weights_are_a_checkpoint_folder_and_replaced_by_one_file(tmp_path):
+    v = two_versions()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                 "model-00002-of-00002.safetensors"):
+        (folder / name).write_text("{}")
+    write_checkpoint(str(folder), *v["b"])
+    assert_holds(folder, v["b"])
+
+
 @pytest.mark.parametrize("content", [["notes.txt"], ["config.json", "train.py"], ["data"]])
 def test_a_folder_that_is_not_a_checkpoint_is_not_wiped(tmp_path, content):
     folder = tmp_path / "mine"
@@ -162,7 +173,7 @@ def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_checkpoint(tmp_pa
             writer.stdin.write("go\n")
             writer.stdin.flush()
             pid = int(writer.stdout.readline())
-            time.sleep(rng.uniform(0, 3 * one_save))  # into the first few saves: any phase of one
+            time.sleep(rng.uniform(0, 6 * one_save))  # into the first few saves: any phase of one
             os.kill(pid, signal.SIGKILL)
             assert writer.stdout.readline() == "reaped\n"
             matches = []

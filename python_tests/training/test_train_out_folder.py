@@ -64,6 +64,8 @@ def test_a_resumed_run_keeps_its_settings_and_refuses_changed_ones(target, data,
             run_config({**flags, name: value})
     with pytest.raises(ValueError, match=r"trained with --block-size 4 \(block_size\), this one asks for 16"):
         train(TrainConfig(data=data, out=str(out)), target)  # the API compares the whole config
+    with open(out / "eval.jsonl", "a") as f:  # as an older version left it: an evaluation after the last save
+        f.write(json.dumps({"step": 7, "tau": 1.0}) + "\n")
     # No flags but a longer run: the saved settings go on (another --eval-every is allowed).
     cfg, resumed = run_config({**flags, "max_steps": 2, "eval_every": 2})
     assert resumed and (cfg.num_layers, cfg.block_size, cfg.layer_ids, cfg.holdout) == (1, 4, [1, 3, 4], 1)
