@@ -84,3 +84,25 @@ def test_a_resumed_run_keeps_its_settings_and_refuses_changed_ones(target, data,
     assert not any("resumed" in m for m in logs)
     assert DFlashDrafter.from_pretrained(str(out)).config.block_size == 3
     assert [json.loads(line)["step"] for line in open(out / "eval.jsonl")] == [1]
+
+
+def test_the_cli_resumes_with_the_saved_settings_and_names_a_changed_flag(target, data, tmp_path, monkeypatch):
+    """A flag not given takes the saved run's value, not TrainConfig's default (block_size 16)."""
+    from dflash_ext.__main__ import main
+
+    monkeypatch.setattr("dflash_ext.models.load_target", lambda *a, **kw: (target, None))
+    monkeypatch.setattr("dflash_ext.hardware.keep_freed_memory", lambda: None)  # the test process's allocator
+    threads = torch.get_num_threads()
+    out = str(tmp_path / "run")
+    flags = ["train", "--data", data, "--out", out, "--threads", "1"]
+    try:
+        main(flags + ["--num-layers", "1", "--block-size", "4", "--anchors", "8", "--batch-size", "2",
+                      "--epochs", "1", "--holdout", "1", "--max-steps", "1", "--autocast", "none"])
+        with pytest.raises(ValueError, match=r"--block-size 4 \(block_size\), this one asks for 8"):
+            main(flags + ["--block-size", "8"])
+        main(flags + ["--max-steps", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 2 and (state["config"]["num_layers"], state["config"]["block_size"]) == (1, 4)
+    assert DFlashDrafter.from_pretrained(out).config.block_size == 4
