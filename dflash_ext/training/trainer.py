@@ -101,7 +101,7 @@ def _saved_run(out: str) -> Optional[Dict[str, Any]]:
     if not os.path.exists(path):
         return None
     saved = torch.load(path, weights_only=False, mmap=True)["config"]  # mmap: the optimizer state stays on disk
-    known = {f.name for f in fields(TrainConfig)}
+    known = {f.name for f in fields(TrainConfig)} - {"overwrite"}  # a run started over once is resumed later
     return {k: v for k, v in saved.items() if k in known}
 
 

@@ -83,6 +83,8 @@ def test_a_resumed_run_keeps_its_settings_and_refuses_changed_ones(target, data,
     train(run(data, out, block_size=3, overwrite=True), target, log=logs.append)
     assert not any("resumed" in m for m in logs)
     assert DFlashDrafter.from_pretrained(str(out)).config.block_size == 3
+    cfg, resumed = run_config({**flags, "max_steps": 2})  # the started-over run resumes, not starts over again
+    assert resumed and not cfg.overwrite and cfg.block_size == 3
     assert [json.loads(line)["step"] for line in open(out / "eval.jsonl")] == [1]
 
 
