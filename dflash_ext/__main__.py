@@ -139,39 +139,43 @@ def _check_layer_ids(layer_ids, num_layers):
                          f"got {layer_ids}")
 
 
-def check_train_data(args):
-    """What train's arguments mean for the data and the --out folder, checked before the target loads."""
-    from .training.data import FeatureStore
-    from .training.trainer import STATE_NAME, TrainConfig
+def train_run_config(args):
+    """The TrainConfig of `train`'s arguments (a resumed run: the saved one's, with the flags
+    given checked against it), and what it means for the data, checked before the target loads."""
+    import dataclasses
 
-    records = _data_records("--data", args.data)
-    if (args.holdout or 0) >= len(records) and not args.extra_data:  # the --extra-data records are training ones
-        raise UsageError(f"argument --holdout: holding out {args.holdout} of the {len(records)} records of "
-                         f"{args.data} leaves none to train on")
-    for folder in args.extra_data or []:
+    from .training.data import FeatureStore
+    from .training.trainer import TrainConfig, run_config
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:  # only the flags given (not None): a resumed run takes the saved run's value of the others
+        cfg, _ = run_config({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    except ValueError as e:
+        raise UsageError(f"argument --out: {e}") from None
+    records = _data_records("--data", cfg.data)
+    if cfg.holdout >= len(records) and not cfg.extra_data:  # the --extra-data records are training ones
+        raise UsageError(f"argument --holdout: holding out {cfg.holdout} of the {len(records)} records of "
+                         f"{cfg.data} leaves none to train on")
+    for folder in cfg.extra_data:
         _data_records("--extra-data", folder)
-    if args.eval_every and not args.holdout:  # the trainer would skip every measurement
+    if cfg.eval_every and not cfg.holdout:  # the trainer would skip every measurement
         raise UsageError("argument --eval-every: measures tau on held-out records, and --holdout holds none out")
-    if args.layer_ids:
-        _check_layer_ids(args.layer_ids, _target_layer_count(args.target))
-    if args.num_layers is not None and args.init not in (None, "random", "target"):
-        with open(os.path.join(args.init, "config.json")) as f:
+    if cfg.layer_ids:
+        _check_layer_ids(cfg.layer_ids, _target_layer_count(args.target))
+    if cfg.num_layers is not None and cfg.init not in ("random", "target"):
+        with open(os.path.join(cfg.init, "config.json")) as f:
             init_layers = json.load(f)["num_hidden_layers"]
-        if args.num_layers < init_layers:
-            raise UsageError(f"argument --num-layers: --init {args.init} has {init_layers} layers; a continuation "
-                             f"can add layers, not drop them, got {args.num_layers}")
-    cached = args.features == "cached" or (args.features in (None, "auto") and len(FeatureStore(args.data)))
-    if args.extra_data and cached:
+        if cfg.num_layers < init_layers:
+            raise UsageError(f"argument --num-layers: --init {cfg.init} has {init_layers} layers; a continuation "
+                             f"can add layers, not drop them, got {cfg.num_layers}")
+    cached = cfg.features == "cached" or (cfg.features == "auto" and len(FeatureStore(cfg.data)))
+    if cfg.extra_data and cached:
         raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
                          "folder and would be used)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    batch_size = args.batch_size or TrainConfig.batch_size
-    if batch_size % world:
-        raise UsageError(f"argument --batch-size: {batch_size} is not a multiple of the {world} processes")
-    resumable = os.path.exists(os.path.join(args.out, STATE_NAME))
-    if _is_nonempty_dir(args.out) and not resumable and not args.overwrite:
-        raise UsageError(f"argument --out: {args.out} is not empty and has no trainer state to resume from; "
-                         "--overwrite trains into it anyway")
+    if cfg.batch_size % world:
+        raise UsageError(f"argument --batch-size: {cfg.batch_size} is not a multiple of the {world} processes")
+    return cfg
 
 
 class _Streamer:
@@ -408,7 +412,7 @@ def cmd_gen_data(args):
     from .hardware import cpu_description
     from .models import load_target
     from .prompts import TRAINING_SOURCES, training_prompts
-    from .training.data import compute_features, generate_responses, load_records
+    from .training.data import compute_features, generate_responses, load_records, write_meta
 
     torch.set_num_threads(args.threads)
     source = training_prompts(args.prompts)
@@ -440,26 +444,22 @@ def cmd_gen_data(args):
             "this_run": {"responses": n - before, "seconds": round(seconds, 1),
                          "responses_per_hour": round((n - before) * 3600 / seconds) if seconds else None,
                          "cpu": cpu_description()}}
-    with open(os.path.join(args.out, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+    write_meta(args.out, meta)
     print(f"[dflash_ext] {n} records in {args.out} ({n - before} new in {seconds:.0f} s)"
           + ("" if args.no_features else ", with features"), file=sys.stderr)
 
 
 def cmd_train(args):
-    import dataclasses
-
     import torch.distributed as dist
 
     from .models import load_target
-    from .training.trainer import TrainConfig, train
+    from .training.trainer import train
 
+    cfg = train_run_config(args)
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # launched by torchrun
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     target, _ = load_target(args.target, device=args.device, tokenizer=False)
     train(cfg, target, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
     if world > 1:
@@ -524,7 +524,7 @@ def cmd_export(args):
         drafter.set_draft_vocab(ids)
         print(f"[dflash_ext] draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f} % of the response "
               f"tokens of {len(records)} records", file=sys.stderr)
-    drafter.save_pretrained(args.dst, dtype=getattr(torch, args.dtype))
+    drafter.save_pretrained(args.dst, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
     print(f"[dflash_ext] wrote {args.dst} ({args.dtype})", file=sys.stderr)
 
 
@@ -639,8 +639,6 @@ def main(argv=None):
     commands = {"generate": cmd_generate, "gen-data": cmd_gen_data, "train": cmd_train, "eval": cmd_eval,
                 "export": cmd_export, "info": cmd_info}
     try:
-        if args.command == "train":
-            check_train_data(args)
         if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
             from . import hardware
 

@@ -7,17 +7,24 @@
 plus two optional files of ours beside them. Resolving a path or hub id, reading and
 writing: the module that builds the drafter from them is :mod:`dflash_ext.drafter`.
 """
+import contextlib
+import ctypes
+import errno
 import json
 import os
+import shutil
+import sys
+import uuid
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from .config import DFlashConfig
 
 __all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint", "torch_dtype", "WEIGHTS_NAME", "CONFIG_NAME",
-           "ACCEPTANCE_NAME", "DRAFT_VOCAB_NAME"]
+           "ACCEPTANCE_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_INDEX_NAME", "write_folder_atomically",
+           "write_file_atomically"]
 
 WEIGHTS_NAME = "model.safetensors"
 # Hugging Face's sharded form, read when there is no WEIGHTS_NAME: {"weight_map": {tensor: shard file}}
@@ -155,26 +162,208 @@ def _read_weights(path: str) -> Dict[str, torch.Tensor]:
 
 def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Tensor],
                      acceptance_profile: Optional[List[float]] = None,
-                     draft_vocab: Optional[List[int]] = None) -> None:
-    """Write the reference format (`state`: CPU tensors, contiguous, in the dtype to store)
-    and our optional files; a draft vocabulary file of an earlier save is removed."""
+                     draft_vocab: Optional[List[int]] = None, *,
+                     extra_files: Optional[Dict[str, Union[bytes, Callable[[str], None]]]] = None,
+                     overwrite: bool = False) -> None:
+    """Write the reference format (`state`: CPU tensors, contiguous, in the dtype to store),
+    our optional files and `extra_files` (name -> bytes, or a callable that writes the file
+    at the path it is given) as one folder that replaces `path` atomically: a crash at any
+    moment leaves the old folder or the new one, never a mix, and files of the old folder
+    this save does not write (a stale acceptance.json or draft_vocab.json) are gone.
+
+    A `path` that exists but does not look like a checkpoint folder (no config.json, or
+    files a checkpoint folder never holds) is refused unless `overwrite`: the save would
+    delete them."""
     from safetensors.torch import save_file
 
-    os.makedirs(path, exist_ok=True)
+    path = os.path.abspath(os.fspath(path))
+    extra_files = dict(extra_files or {})
+    if not overwrite:
+        _refuse_foreign_folder(path, set(extra_files))
     d = config.to_json_dict()
     d["torch_dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(d, f, indent=2)
-    save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+    files: Dict[str, Union[bytes, Callable[[str], None]]] = {
+        CONFIG_NAME: json.dumps(d, indent=2).encode(),
+        WEIGHTS_NAME: lambda p: save_file(state, p, metadata={"format": "pt"}),
+    }
     if acceptance_profile is not None:
-        with open(os.path.join(path, ACCEPTANCE_NAME), "w") as f:
-            json.dump({"accept": acceptance_profile}, f)
-    vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+        files[ACCEPTANCE_NAME] = json.dumps({"accept": acceptance_profile}).encode()
     if draft_vocab is not None:
-        with open(vocab_path, "w") as f:
-            json.dump({"token_ids": draft_vocab}, f)
-    elif os.path.exists(vocab_path):
-        os.remove(vocab_path)  # a stale vocabulary of an earlier save
+        files[DRAFT_VOCAB_NAME] = json.dumps({"token_ids": draft_vocab}).encode()
+    files.update(extra_files)
+    write_folder_atomically(path, files)
+
+
+# Files a checkpoint folder may hold besides the ones write_checkpoint writes (and weights in
+# Hugging Face's sharded form): a model card (the shipped drafter has one, as Hugging Face
+# repos do). A save replaces them too.
+_CHECKPOINT_COMPANIONS = {"README.md", ".gitattributes"}
+
+
+def _refuse_foreign_folder(path: str, extra_names: Set[str]) -> None:
+    """ValueError where replacing `path` would delete something that is not a checkpoint of ours."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"cannot save a drafter checkpoint to {path}: it exists and is not a folder "
+                         f"(pass overwrite=True to replace it)")
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    ours = {CONFIG_NAME, ACCEPTANCE_NAME, DRAFT_VOCAB_NAME} | _CHECKPOINT_COMPANIONS | extra_names
+    foreign = [n for n in names if not (os.path.isfile(os.path.join(path, n))
+                                        and (n in ours or n.endswith((".safetensors", ".safetensors.index.json"))))]
+    if CONFIG_NAME not in names or foreign:
+        shown = foreign or names
+        raise ValueError(f"cannot save a drafter checkpoint to {path}: it is not a drafter checkpoint folder "
+                         f"(it holds {', '.join(shown[:5])}{', ...' if len(shown) > 5 else ''}"
+                         f"{'' if CONFIG_NAME in names else f' and no {CONFIG_NAME}'}) and a save replaces "
+                         f"the whole folder; pass overwrite=True to replace it")
+
+
+def write_folder_atomically(path: str, files: Dict[str, Union[bytes, Callable[[str], None]]]) -> None:
+    """Make `path` a folder holding exactly `files` (name -> bytes, or a callable writing the
+    file at the path it is given), atomically: the folder is built as a hidden sibling
+    (same parent: the rename stays on one filesystem), flushed to disk, then swapped in
+    (:func:`_swap_in`) and the old folder deleted. Whatever `path` held before goes."""
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    _remove_dead_writers_leftovers(parent, name)
+    new = _temporary_sibling(parent, name)
+    os.mkdir(new)  # not tempfile's: its 0700 would become the checkpoint's mode; this one follows the umask
+    try:
+        for file_name, content in files.items():
+            file_path = os.path.join(new, file_name)
+            if isinstance(content, bytes):
+                with open(file_path, "wb") as f:
+                    f.write(content)
+            else:
+                content(file_path)
+            _fsync(file_path)
+        _fsync_folder(new)
+        old = _swap_in(new, path)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    _fsync_folder(parent)
+    if old is not None:
+        _remove(old)
+
+
+def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Write one file through a hidden temporary sibling (`write(tmp_path)`), flushed to disk
+    and renamed over `path`: readers see the old file or the whole new one."""
+    parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+    _remove_dead_writers_leftovers(parent, name)
+    tmp = _temporary_sibling(parent, name)  # created by `write`, with the mode the umask gives
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    _fsync_folder(parent)
+
+
+def _temporary_sibling(parent: str, name: str) -> str:
+    """A fresh hidden name beside `name`; the writer's pid in it tells a later save whether
+    the writer is still alive (:func:`_remove_dead_writers_leftovers`)."""
+    return os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(path: str) -> None:
+    """Make the renames in a folder durable (POSIX; Windows cannot open a folder so)."""
+    if os.name != "nt":
+        _fsync(path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where this
+    OS, C library or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+def _swap_in(new: str, path: str) -> Optional[str]:
+    """Put the folder `new` at `path`; returns where the old content of `path` now is (to
+    delete), or None. Linux: one atomic exchange. Elsewhere: the old folder is renamed
+    aside, then the new one in: a crash between the two renames (microseconds) leaves no
+    folder at `path` but the old one complete at ``.{name}.old-{pid}-*``, which the next
+    save to `path` puts back before anything else (:func:`_remove_dead_writers_leftovers`)."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return None
+    if _exchange(new, path):
+        return new  # `new` now names the old folder
+    parent, name = os.path.split(path)
+    aside = os.path.join(parent, f".{name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, aside)
+    os.rename(new, path)
+    return aside
+
+
+def _remove_dead_writers_leftovers(parent: str, name: str) -> None:
+    """Delete the temporary siblings of `name` left by writers killed mid-save: only those
+    whose process is gone, so a concurrent save of another process keeps its own (the pid
+    is in the name). An old folder set aside by a killed fallback swap (:func:`_swap_in`)
+    is put back when `name` is missing, deleted otherwise."""
+    path = os.path.join(parent, name)
+    for entry in sorted(os.listdir(parent)):
+        for kind in ("tmp", "old"):
+            prefix = f".{name}.{kind}-"
+            if not entry.startswith(prefix):
+                continue
+            pid = entry[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            leftover = os.path.join(parent, entry)
+            if kind == "old" and not os.path.lexists(path):
+                os.rename(leftover, path)
+            else:
+                _remove(leftover)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def torch_dtype(dtype) -> Optional[torch.dtype]:

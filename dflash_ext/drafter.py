@@ -204,11 +204,16 @@ class DFlashDrafter(nn.Module):
                                  f"the config needs {tuple(own[name].shape)}")
         self.load_state_dict(state)
 
-    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        """Write the reference format; `dtype` (e.g. torch.bfloat16) converts the weights."""
+    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
+                        extra_files=None) -> None:
+        """Write the reference format; `dtype` (e.g. torch.bfloat16) converts the weights. The
+        folder is replaced as a whole, atomically (:func:`~dflash_ext.checkpoint.write_checkpoint`:
+        `extra_files` go into it too); a `path` holding anything but a drafter checkpoint is
+        refused unless `overwrite`."""
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         write_checkpoint(path, self.config, state, self.acceptance_profile,
-                         None if self.draft_vocab is None else self.draft_vocab.tolist())
+                         None if self.draft_vocab is None else self.draft_vocab.tolist(),
+                         extra_files=extra_files, overwrite=overwrite)
 
     def set_draft_vocab(self, token_ids) -> None:
         """Draft only these target tokens (sorted, unique, in range), or all of them (None)."""

@@ -10,29 +10,72 @@ Shard format (a folder):
   for each of the S tokens of that record, in ``target_layer_ids`` order. That costs
   ``2*k*H`` bytes per token (5.6 KiB for SmolLM2-135M with k = 5).
 - ``meta.json``: the target, layer ids, generation settings.
-Generation is resumable: records already in the folder are skipped.
+Generation is resumable: records already in the folder are skipped. A kill leaves no torn
+file but the last line of a responses shard, which readers drop (with a warning) and the
+next generation run cuts off and generates again; feature shards and meta.json are
+written whole (temporary file + rename).
 """
 import glob
 import json
 import os
 import sys
 import time
+import warnings
 from typing import Dict, List, Sequence
 
 import torch
 
+from ..checkpoint import write_file_atomically
 from ..target import cache_kwarg, returned_cache
 
 __all__ = ["generate_responses", "greedy_batch", "target_features", "compute_features", "load_records",
-           "split_holdout", "drop_trained_prompts", "FeatureStore"]
+           "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]
+
+META_NAME = "meta.json"
+
+
+def _shard_records(path: str):
+    """(records of one responses shard, byte length of its whole lines): a last line that is
+    not valid JSON was cut short by a kill of the writer and is dropped, with a warning."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records, end = [], 0
+    for n, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if any(rest.strip() for rest in lines[n:]):
+                    raise ValueError(f"{path} line {n} is not valid JSON") from None
+                warnings.warn(f"{path}: its last line is cut short (a generation run was interrupted): "
+                              f"dropped; the next gen-data run generates that record again")
+                break
+        end += len(line) + 1
+    return records, min(end, os.path.getsize(path))
 
 
 def _records_in(folder: str) -> List[dict]:
     out = []
     for path in sorted(glob.glob(os.path.join(folder, "responses-*.jsonl"))):
-        with open(path) as f:
-            out.extend(json.loads(line) for line in f if line.strip())
+        out.extend(_shard_records(path)[0])
     return out
+
+
+def _cut_torn_lines(folder: str) -> None:
+    """Truncate each responses shard to its whole lines (see :func:`_shard_records`)."""
+    for path in glob.glob(os.path.join(folder, "responses-*.jsonl")):
+        _, whole = _shard_records(path)
+        if whole < os.path.getsize(path):
+            os.truncate(path, whole)
+
+
+def write_meta(out_dir: str, meta: dict) -> None:
+    """meta.json of a data folder, written whole (a kill leaves the old one or the new one)."""
+    def write(path):
+        with open(path, "w") as f:
+            json.dump(meta, f, indent=2)
+
+    write_file_atomically(os.path.join(out_dir, META_NAME), write)
 
 
 def load_records(folder: str) -> List[dict]:
@@ -105,6 +148,7 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
+    _cut_torn_lines(out_dir)  # a record cut short by a kill is generated again
     done = {r["id"] for r in _records_in(out_dir)}
     todo = []
     for i, p in enumerate(prompts, start=id_base):
@@ -173,7 +217,9 @@ def compute_features(target, out_dir: str, layer_ids: Sequence[int], records_per
         feats = target_features(target, torch.tensor(rec["input_ids"]), layer_ids)
         pending[str(rec["id"])] = feats.to(torch.bfloat16).contiguous()
         if len(pending) == records_per_shard or rec is todo[-1]:
-            save_file(pending, os.path.join(out_dir, f"features-{shard:05d}.safetensors"))
+            # whole or absent: a torn shard would stop every later read of the folder
+            write_file_atomically(os.path.join(out_dir, f"features-{shard:05d}.safetensors"),
+                                  lambda path: save_file(pending, path))
             shard, pending = shard + 1, {}
 
 

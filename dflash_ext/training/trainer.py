@@ -22,8 +22,8 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,11 +36,13 @@ from ..proposer import block_embedding
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
 from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
 
-__all__ = ["TrainConfig", "train", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
+__all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
            "init_layers_from_target", "most_frequent_tokens"]
 
 STATE_NAME = "trainer_state.pt"
 FRESH_LAYERS = 5  # drafter layers of a fresh (not continued) run, as the paper's drafters
+# One line per held-out evaluation; written with the checkpoint (one atomic save), so it
+# shows an evaluation at the next save and never one past the saved step.
 EVAL_LOG = "eval.jsonl"
 
 
@@ -72,6 +74,68 @@ class TrainConfig:
     init: str = "random"        # random | target (layers from the target's last layers) | a drafter folder
     loss_vocab: int = 0         # softmax of the loss over the K most frequent response tokens (0: all)
     extra_data: List[str] = field(default_factory=list)  # more gen-data folders: training only, never held out
+    overwrite: bool = False     # replace whatever `out` holds (a saved run starts over)
+
+
+# What a resumed run may change: how long it goes on and how often it logs, evaluates and
+# saves. Every other field defines the run (and its saved optimizer and step).
+MAY_CHANGE_ON_RESUME = {"out", "max_steps", "save_every", "log_every", "eval_every", "overwrite"}
+PATH_FIELDS = {"data", "extra_data", "init"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _comparable(name: str, value):
+    if isinstance(value, (list, tuple)):
+        return [_comparable(name, v) for v in value]
+    if name in PATH_FIELDS and isinstance(value, str) and os.path.exists(value):
+        return os.path.realpath(value)  # the same folder by another spelling
+    return value
+
+
+def _saved_run(out: str) -> Optional[Dict[str, Any]]:
+    """The TrainConfig fields of the run saved in `out` (None: no trainer state there)."""
+    path = os.path.join(out, STATE_NAME)
+    if not os.path.exists(path):
+        return None
+    saved = torch.load(path, weights_only=False, mmap=True)["config"]  # mmap: the optimizer state stays on disk
+    known = {f.name for f in fields(TrainConfig)} - {"overwrite"}  # a run started over once is resumed later
+    return {k: v for k, v in saved.items() if k in known}
+
+
+def _refuse_foreign_out(out: str) -> None:
+    if os.path.isdir(out):
+        held = sorted(os.listdir(out))
+    else:
+        held = [os.path.basename(out)] if os.path.lexists(out) else []
+    if held:
+        raise ValueError(f"--out {out} already holds files ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}) "
+                         f"and no training state to resume: pass --overwrite to replace it")
+
+
+def run_config(values: Dict[str, Any]) -> Tuple[TrainConfig, bool]:
+    """(the config of a training run, whether it resumes the run saved in ``values["out"]``)
+    from TrainConfig fields, None meaning not given (the CLI passes its flags so). A resumed
+    run takes the saved run's value of every field not given; a given field that defines the
+    run (all but MAY_CHANGE_ON_RESUME) must equal the saved one: ValueError naming the flag.
+    Without a saved run, an `out` that already holds files is refused unless `overwrite`."""
+    given = {k: v for k, v in values.items() if v is not None}
+    out = given["out"]
+    saved = None if given.get("overwrite") else _saved_run(out)
+    if saved is None:
+        if not given.get("overwrite"):
+            _refuse_foreign_out(out)
+        return TrainConfig(**given), False
+    for name, value in given.items():
+        if name in MAY_CHANGE_ON_RESUME or name not in saved:
+            continue
+        if _comparable(name, value) != _comparable(name, saved[name]):
+            raise ValueError(f"--out {out} holds a run trained with {_flag(name)} {saved[name]!r} ({name}), "
+                             f"this one asks for {value!r}: leave {_flag(name)} out to resume the saved run, or "
+                             f"pass --overwrite to start over (or use another --out)")
+    return TrainConfig(**{**saved, **given}), True
 
 
 class FrozenTargetParts(torch.nn.Module):
@@ -284,6 +348,9 @@ def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="c
 
 def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafter] = None,
           log=print) -> DFlashDrafter:
+    """Train a drafter into `cfg.out`, or resume the run saved there (see :func:`run_config`:
+    fields that are None take the saved run's values, others must match it)."""
+    cfg, resume = run_config(asdict(cfg))
     rank, world = _dist_info()
     if cfg.batch_size % world:
         raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {world} processes")
@@ -300,8 +367,11 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     gamma = cfg.gamma or default_gamma(cfg.block_size)
 
     state_path = os.path.join(cfg.out, STATE_NAME)
-    resume = os.path.exists(state_path)
+    eval_lines: List[str] = []  # EVAL_LOG, rewritten by every save
     if resume:
+        if os.path.exists(os.path.join(cfg.out, EVAL_LOG)):
+            with open(os.path.join(cfg.out, EVAL_LOG)) as f:
+                eval_lines = f.readlines()
         drafter = DFlashDrafter.from_pretrained(cfg.out, dtype=torch.float32)
     elif drafter is None:
         torch.manual_seed(cfg.seed)
@@ -354,6 +424,8 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         step, seen_slots = st["step"], st.get("slot_tokens", 0)
+        # a folder of an older version appended evaluations between saves: none past the saved step
+        eval_lines = [line for line in eval_lines if line.strip() and json.loads(line)["step"] <= step]
         log(f"[train] resumed at step {step}/{total}")
     log(f"[train] {len(records)} training records, {len(heldout)} held out; features {features.mode}; "
         f"bf16 autocast {'on' if use_autocast else 'off'}; {total} steps"
@@ -363,10 +435,14 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     def save():
         if rank != 0:
             return
-        drafter.save_pretrained(cfg.out)
-        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-                    "slot_tokens": seen_slots, "config": asdict(cfg)}, state_path + ".tmp")
-        os.replace(state_path + ".tmp", state_path)
+        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+                 "slot_tokens": seen_slots, "config": asdict(cfg)}
+        extra = {STATE_NAME: lambda path: torch.save(state, path)}
+        if eval_lines:
+            extra[EVAL_LOG] = "".join(eval_lines).encode()
+        # One swap for the checkpoint and the trainer's files: a kill leaves a resumable run. The
+        # folder was checked by run_config (a saved run, or replaced on purpose): it goes as a whole.
+        drafter.save_pretrained(cfg.out, extra_files=extra, overwrite=True)
 
     def evaluate():
         if rank != 0 or not heldout:
@@ -374,11 +450,9 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         t = time.time()
         tau, accept = heldout_tau(drafter, frozen, heldout, features, cfg, device, gamma, use_autocast, vocab)
         drafter.acceptance_profile = accept  # saved beside the checkpoint: block_size="auto" reads it
-        with open(os.path.join(cfg.out, EVAL_LOG), "a") as f:
-            f.write(json.dumps({"step": step, "slot_tokens": seen_slots, "tau": tau, "accept": accept}) + "\n")
+        eval_lines.append(json.dumps({"step": step, "slot_tokens": seen_slots, "tau": tau, "accept": accept}) + "\n")
         log(f"[eval] step {step} slot-tokens {seen_slots} held-out tau {tau:.3f} ({time.time() - t:.0f}s)")
 
-    os.makedirs(cfg.out, exist_ok=True)
     t0, window_slots, window_loss, window_steps = time.time(), 0, 0.0, 0
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
