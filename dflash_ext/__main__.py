@@ -150,8 +150,8 @@ def train_run_config(args):
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:  # only the flags given (not None): a resumed run takes the saved run's value of the others
         cfg, _ = run_config({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    except ValueError as e:
-        raise UsageError(f"argument --out: {e}") from None
+    except ValueError as e:  # the message names the flag (--out, or the flag that differs from the saved run)
+        raise UsageError(str(e)) from None
     records = _data_records("--data", cfg.data)
     if cfg.holdout >= len(records) and not cfg.extra_data:  # the --extra-data records are training ones
         raise UsageError(f"argument --holdout: holding out {cfg.holdout} of the {len(records)} records of "

@@ -88,7 +88,8 @@ def test_a_resumed_run_keeps_its_settings_and_refuses_changed_ones(target, data,
     assert [json.loads(line)["step"] for line in open(out / "eval.jsonl")] == [1]
 
 
-def test_the_cli_resumes_with_the_saved_settings_and_names_a_changed_flag(target, data, tmp_path, monkeypatch):
+def test_the_cli_resumes_with_the_saved_settings_and_names_a_changed_flag(target, data, tmp_path, monkeypatch,
+                                                                         capsys):
     """A flag not given takes the saved run's value, not TrainConfig's default (block_size 16)."""
     from dflash_ext.__main__ import main
 
@@ -100,8 +101,10 @@ def test_the_cli_resumes_with_the_saved_settings_and_names_a_changed_flag(target
     try:
         main(flags + ["--num-layers", "1", "--block-size", "4", "--anchors", "8", "--batch-size", "2",
                       "--epochs", "1", "--holdout", "1", "--max-steps", "1", "--autocast", "none"])
-        with pytest.raises(ValueError, match=r"--block-size 4 \(block_size\), this one asks for 8"):
+        with pytest.raises(SystemExit) as exit_:  # a usage error, before the target loads
             main(flags + ["--block-size", "8"])
+        assert exit_.value.code == 2
+        assert re.search(r"--block-size 4 \(block_size\), this one asks for 8", capsys.readouterr().err)
         main(flags + ["--max-steps", "2"])
     finally:
         torch.set_num_threads(threads)
