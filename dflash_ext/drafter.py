@@ -105,7 +105,7 @@ class DraftCache:
     captured CUDA graph sees the current lengths). ``windows`` and ``causal`` say per layer
     how its block queries attend (:func:`effective_windows`).
 
-    ``max_capacity`` (> capacity) lets it grow as a KV cache does: when a sequence needs
+    ``max_capacity`` (>= capacity) lets it grow as a KV cache does: when a sequence needs
     more rows than ``capacity``, K and V are reallocated at twice the capacity (at least
     what is needed, in whole :data:`CACHE_ROW_ALIGN` rows, at most ``max_capacity``) and
     every sequence's rows copied to its new range; ``offsets`` is updated in place. So
@@ -117,7 +117,7 @@ class DraftCache:
                  draft_window: Optional[int] = None, max_capacity: Optional[int] = None):
         if max_capacity is not None and max_capacity < capacity:
             raise ValueError(f"max_capacity ({max_capacity}) must be >= capacity ({capacity})")
-        self.shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        self._dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)  # N, Hkv, D
         self.k = self.v = None
         self.capacity = 0
         self.max_capacity = capacity if max_capacity is None else max_capacity
@@ -130,7 +130,7 @@ class DraftCache:
 
     def _allocate(self, capacity: int, device, dtype) -> None:
         """K and V of `capacity` rows per sequence, the rows in use copied from the old ones."""
-        N, Hkv, D = self.shape
+        N, Hkv, D = self._dims
         batch = len(self._lengths)
         k = torch.zeros((N, batch * capacity, Hkv, D), device=device, dtype=dtype)
         v = torch.zeros_like(k)
