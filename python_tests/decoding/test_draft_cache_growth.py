@@ -2,13 +2,17 @@
 an answer that stops early allocates for what it generated, whatever max_new_tokens says;
 a cache that grows many times (rows moved per sequence, batch > 1 too) drafts exactly what
 a cache allocated up front drafts, and spec_generate stays lossless across the growths."""
+import copy
+
 import pytest
 import torch
 
 from dflash_ext import decoding, drafter as drafter_module
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.proposer import DFlashProposer
 from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from python_tests.helpers import DEVICES
 
 PROMPT = [5, 17, 33, 2, 9]
 STOP_PROMPT = [100, 3]  # the tiny Qwen3 target's answer brings a new token at index 17
@@ -114,3 +118,35 @@ def test_a_growing_cache_is_full_at_its_max_capacity():
     assert cache.lengths == (6,)
     with pytest.raises(ValueError, match="max_capacity"):
         drafter.new_cache(1, 8, max_capacity=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_growing_proposer_drafts_what_a_preallocated_one_drafts(device, monkeypatch):
+    """Every draft, not only the output (spec_generate is lossless whatever is drafted): the
+    cache and the RoPE tables grown many times (on CUDA: each growth captures the graph
+    again) draft the tokens of a proposer that had all its rows from the start."""
+    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    target = tiny_target("qwen3", num_hidden_layers=4, hidden_size=256).to(device)  # head_dim 64: every CUDA kernel
+    # two drafters, one weight set: each proposer's RoPE tables grow on their own drafter
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4).to(device)
+    grown = DFlashProposer(drafter, target, capacity=1100, initial_capacity=4)
+    fixed = DFlashProposer(copy.deepcopy(drafter), target, capacity=1100)
+    rope_start = grown.rope[0].shape[0]
+    # past the 1024 positions the first RoPE tables cover
+    ids = torch.randint(0, target.config.vocab_size, (1, 1100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = target(input_ids=ids.to(device), output_hidden_states=True).hidden_states
+    positions = torch.arange(1100, device=device)
+    capacities, pos = set(), 0
+    for step, n in enumerate([3, 1, 4, 2, 9, 4, 30, 1, 4, 60, 4, 100, 300, 500, 20]):
+        for p in (grown, fixed):
+            p.accept(hidden, slice(pos, pos + n), positions[pos:pos + n])
+        pos += n
+        capacities.add(grown.cache.capacity)
+        last = int(ids[0, pos])
+        got, want = grown.propose(last, pos, 3), fixed.propose(last, pos, 3)
+        assert torch.equal(got, want), f"step {step} at context {pos}: {got.tolist()} != {want.tolist()}"
+    assert len(capacities) >= 5 and grown.cache.capacity < fixed.cache.capacity
+    assert grown.rope[0].shape[0] > rope_start  # the tables grew with the positions
+    if grown.cuda_graph:  # the stale graphs were dropped: one per block shape remains
+        assert len(grown._graphs) == 1 and next(iter(grown._graphs.values())).fits(grown)
