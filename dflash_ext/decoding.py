@@ -169,6 +169,10 @@ class DecodeState:
     pos: int
 
 
+# Blocks of answer the drafter's context cache holds before it first grows (spec_generate).
+_FIRST_BLOCKS = 4
+
+
 def _no_clock(phase: str) -> None:
     pass
 
@@ -277,7 +281,11 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                                        stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
                                        on_tokens=on_tokens, streamer=streamer)
             # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
-            proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + max(B, trained),
+            # Its cache is bounded by the budget but starts at the prompt and a few blocks, then
+            # grows with the answer: an answer that stops early never pays for the budget.
+            block = max(B, trained)
+            proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + block,
+                                      initial_capacity=n_prompt + _FIRST_BLOCKS * block,
                                       fused=fused, draft_window=draft_window)
             layer_ids = drafter.config.target_layer_ids
         else:

@@ -17,6 +17,7 @@ transformers applies to its own cache has nothing to undo here. A call whose con
 starts at position 0 is a new generation and starts a new cache. It needs no weights but
 the drafter's: embeddings and LM head are the target's, as transformers passes them.
 """
+import sys
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Optional
@@ -27,6 +28,10 @@ __all__ = ["DFlashAssistant", "SUPPORTED_TRANSFORMERS"]
 
 # The transformers releases whose DFlash candidate generator this adapter was read against.
 SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [from, to): read and tested against 5.24
+
+
+# Context rows of a new generation's cache before it first grows.
+_FIRST_CAPACITY = 1024
 
 
 def _check_transformers() -> None:
@@ -74,17 +79,11 @@ class DFlashAssistant:
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
 
-    def _cache_for(self, needed: int):
-        """Our context cache, grown (doubling, rows copied) when the sequence outgrows it."""
-        if self.cache is None or needed > self.cache.capacity:
-            old = self.cache
-            capacity = max(needed, 2 * old.capacity if old is not None else 1024)
-            self.cache = self.drafter.new_cache(1, capacity, self.draft_window)
-            if old is not None:
-                n = old.lengths[0]
-                self.cache.k[:, :n].copy_(old.k[:, :n])
-                self.cache.v[:, :n].copy_(old.v[:, :n])
-                self.cache.set_length(0, n)
+    def _context_cache(self):
+        """Our context cache: a new one per generation, growing as the context does
+        (:class:`~dflash_ext.drafter.DraftCache`; transformers bounds the generation)."""
+        if self.cache is None:
+            self.cache = self.drafter.new_cache(1, _FIRST_CAPACITY, self.draft_window, max_capacity=sys.maxsize)
         return self.cache
 
     @torch.no_grad()
@@ -106,7 +105,7 @@ class DFlashAssistant:
             self.cache, self.acceptance_lengths = None, []
         else:
             self.acceptance_lengths.append(n)
-        cache = self._cache_for(int(positions[-1]) + 1)
+        cache = self._context_cache()
         if n:
             feats = context_hidden_states[0].to(self.device, self.dtype).split(c.hidden_size, -1)
             self.drafter.add_context(cache, 0, list(feats), positions[:n], fused=self.fused)

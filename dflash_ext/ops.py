@@ -3,6 +3,11 @@
 Each function calls the compiled op ``torch.ops.dflash_ext.<name>``; the fake (meta)
 kernels registered here give output shapes to ``torch.compile`` and FakeTensor
 tracing. Input checks live in the compiled op (csrc/checks.cpp) and name the argument.
+
+The ops are inference only: they have no backward, so each raises when called with
+gradients wanted (grad mode on and a tensor input that requires grad) rather than return
+an output whose inputs would silently get no gradient; dflash_ext.reference has the same
+functions, differentiable.
 """
 from typing import Optional, Sequence
 
@@ -13,6 +18,19 @@ __all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_l
 _ops = torch.ops.dflash_ext
 
 
+def wants_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these tensors: grad mode is on and one of
+    them requires grad (other arguments, None or a bad input the op then names, count as
+    not). A host-side check (no device work), traced by torch.compile as a guard."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _inference_only(name: str, *tensors) -> None:
+    if wants_grad(*tensors):
+        raise RuntimeError(f"dflash_ext.ops.{name} has no backward (inference only): call it under torch.no_grad() / "
+                           f"torch.inference_mode(), or use dflash_ext.reference.{name} for gradients")
+
+
 def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
                      norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``rms_norm(cat(features, -1) @ fc_weight.T, eps) * norm_weight`` without the concat.
@@ -20,7 +38,9 @@ def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
     features: k tensors ``[T, H]`` (row-strided views allowed); fc_weight ``[H_out, k*H]``;
     norm_weight ``[H_out]``. Returns ``[T, H_out]`` in the input dtype (fp32 accumulation).
     """
-    return _ops.project_features(list(features), fc_weight, norm_weight, float(eps))
+    features = list(features)
+    _inference_only("project_features", fc_weight, norm_weight, *features)
+    return _ops.project_features(features, fc_weight, norm_weight, float(eps))
 
 
 def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
@@ -39,6 +59,7 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
     slot is outside [0, S) or whose position is outside [0, P) is then skipped, nothing
     written; repeated slots leave a mix of those tokens' rows there. The CPU always validates.
     """
+    _inference_only("inject_context_kv", ctx, k_weight, v_weight, k_norm_weight, cos, sin, k_cache, v_cache)
     _ops.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
                            k_cache, v_cache, float(eps), bool(validate))
 
@@ -72,6 +93,7 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
     sequence sees at most ``max_context`` (else S) of its last rows (causal: the rule above
     within them). The CPU always validates.
     """
+    _inference_only("block_attention", q, k_block, v_block, k_cache, v_cache)
     return _ops.block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens,
                                 float(scale), int(window), int(max_context), bool(validate), bool(causal))
 
@@ -85,6 +107,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     one-row GEMV; more rows, bf16 rows that oneDNN takes (CPUs with bf16 units) and
     other devices run ``F.linear`` itself.
     """
+    _inference_only("skinny_linear", x, weight, bias)
     if x.dim() == 0:  # the op names the problem
         return _ops.skinny_linear(x, weight, bias)
     out = _ops.skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)

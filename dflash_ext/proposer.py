@@ -90,25 +90,34 @@ class DFlashProposer:
     layers, final norm, LM head, argmax) is captured in a CUDA graph per block size and
     replayed (``cuda_graph``, default: on for a CUDA drafter with the fused ops). The
     injection after a verify runs eagerly (its token count varies), without a sync.
-    On CPU nothing of this applies: the ops validate and run eagerly."""
+    On CPU nothing of this applies: the ops validate and run eagerly.
+
+    `capacity` bounds the context tokens the cache may hold (past it: an error);
+    `initial_capacity` (None: all of `capacity`) is what is allocated at first: the cache
+    then grows geometrically as tokens are accepted (:class:`DraftCache`), and the RoPE
+    tables with it, so memory follows what is generated. A growth gives the cache (and
+    the tables) new addresses and the attention a new static bound, so the captured
+    graphs are captured again then: a few times per generation (doubling)."""
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, fused: bool = True,
-                 draft_window: Optional[int] = None, cuda_graph: Optional[bool] = None):
+                 draft_window: Optional[int] = None, cuda_graph: Optional[bool] = None,
+                 initial_capacity: Optional[int] = None):
         drafter.check_fits(target.config)
         self.drafter, self.fused = drafter, fused
         self.embed = block_embedding(target)
         self.lm_head = target.get_output_embeddings()
         self.layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
-        self.cache: DraftCache = drafter.new_cache(1, capacity, draft_window)
+        start = capacity if initial_capacity is None else min(initial_capacity, capacity)
+        self.cache: DraftCache = drafter.new_cache(1, start, draft_window, max_capacity=capacity)
         self.device = drafter.fc.weight.device
         on_cuda = self.device.type == "cuda"
         # Every position a block can reach (the cache holds <= capacity tokens, a block
-        # adds block_size): the tables are taken now and held here, so a step never grows
-        # them and a captured graph's tables stay alive whatever the drafter does later.
+        # adds block_size). The tables are held here (a captured graph's tables stay alive
+        # whatever the drafter does later) and grown with the cache (_cover).
         self.position_limit = capacity + drafter.config.block_size + 1
-        cos, sin = drafter.rope_tables(self.position_limit)
-        self.rope = (cos[:self.position_limit], sin[:self.position_limit])
+        self.rope = None
+        self._cover(start + drafter.config.block_size + 1)
         self.validate = not on_cuda
         if cuda_graph and not (on_cuda and fused):
             raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")
@@ -123,8 +132,16 @@ class DFlashProposer:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
         tokens in `rows` of the last target pass, at `positions`."""
         feats = [hidden_states[l + 1][0, rows].to(self.drafter.fc.weight.dtype) for l in self.layer_ids]
+        # the positions of the tokens accepted in order (a host count: no device read)
+        self._cover(self.cache.lengths[0] + feats[0].shape[0])
         self.drafter.add_context(self.cache, 0, feats, positions, fused=self.fused, rope=self.rope,
                                  validate=self.validate)
+
+    def _cover(self, positions: int) -> None:
+        """RoPE tables for at least `positions` positions, grown geometrically by the drafter
+        (rope_tables; past a rope type's position limit, its error)."""
+        if self.rope is None or self.rope[0].shape[0] < positions:
+            self.rope = self.drafter.rope_tables(positions)
 
     @torch.no_grad()
     def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
@@ -136,14 +153,22 @@ class DFlashProposer:
         if position + width >= self.position_limit:
             raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
                                f"{self.position_limit} positions this proposer was made for")
+        self._cover(position + width + 1)
         if self.cuda_graph:
-            step = self._graphs.get((width, n))
-            if step is None:
-                step = self._graphs[(width, n)] = _CapturedDraftStep(self, width, n)
-            return step(last_token, position)
+            return self._captured_step(width, n)(last_token, position)
         ids = torch.full((1, width + 1), self.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, :1].fill_(last_token)
         return self.draft_step(ids, torch.arange(position, position + width + 1, device=self.device)[None], n)
+
+    def _captured_step(self, width: int, n: int) -> "_CapturedDraftStep":
+        """The draft step for this block in a CUDA graph, captured anew when the cache or the
+        tables grew since (the graphs that no longer fit, and their memory pools, go first)."""
+        step = self._graphs.get((width, n))
+        if step is None or not step.fits(self):
+            step = None
+            self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
+            step = self._graphs[(width, n)] = _CapturedDraftStep(self, width, n)
+        return step
 
     def draft_step(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         """The first n draft tokens for the block `ids` [1, width + 1] at `positions`:
@@ -179,9 +204,10 @@ class _CapturedDraftStep:
     """DFlashProposer.draft_step for one block width and draft count, captured in a CUDA
     graph: static input buffers (the block's token ids and positions), the cache and its device lengths read
     in place, one replay per draft. The attention is planned for the cache capacity, so a
-    replay stays correct as the context grows. The graph holds the drafter's weights and
-    the proposer's tensors by address: a proposer lives for one generation, and the
-    drafter must not be moved or changed meanwhile (a new proposer captures anew)."""
+    replay stays correct as the context grows within it. The graph holds the drafter's
+    weights and the proposer's tensors by address: a proposer lives for one generation, and
+    the drafter must not be moved or changed meanwhile (a new proposer captures anew); a
+    cache or RoPE tables grown since the capture no longer fit it (:meth:`fits`)."""
 
     @torch.no_grad()
     def __init__(self, proposer: DFlashProposer, width: int, n: int):
@@ -189,7 +215,18 @@ class _CapturedDraftStep:
         with torch.cuda.device(dev):
             self._capture(proposer, width, n, dev)
 
+    @staticmethod
+    def _layout(proposer: DFlashProposer) -> tuple:
+        """What a capture reads by address: the cache (new tensors at every growth, which
+        also changes the capacity the attention is planned for) and the RoPE tables."""
+        return proposer.cache.k, proposer.cache.v, proposer.rope
+
+    def fits(self, proposer: DFlashProposer) -> bool:
+        """Whether the proposer's cache and tables are still those this graph was captured on."""
+        return all(now is then for now, then in zip(self._layout(proposer), self.layout))
+
     def _capture(self, proposer: DFlashProposer, width: int, n: int, dev) -> None:
+        self.layout = self._layout(proposer)  # also keeps those tensors alive while the graph may replay
         self.ids = torch.full((1, width + 1), proposer.mask_token_id, dtype=torch.long, device=dev)
         self.offsets = torch.arange(width + 1, device=dev)[None]
         self.positions = self.offsets.clone()

@@ -172,8 +172,9 @@ def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, through ops.skinny_linear where its streaming kernel runs (one pass over
     the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
     2..8 rows, and its GEMV runs below the memory bandwidth on some:
-    bench/results/history/notebook-2026.md §6); many rows (a prefill) stay on F.linear."""
-    if skinny_linear_streams(x, layer.weight):
+    bench/results/history/notebook-2026.md §6); many rows (a prefill) stay on F.linear, and
+    so does a call that wants gradients (the op has no backward: training keeps working)."""
+    if skinny_linear_streams(x, layer.weight) and not ops.wants_grad(x, layer.weight, layer.bias):
         return ops.skinny_linear(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
 

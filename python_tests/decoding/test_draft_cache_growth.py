@@ -1,0 +1,152 @@
+"""The drafter's context cache grows with the answer, not with the budget (issue 31, item 7):
+an answer that stops early allocates for what it generated, whatever max_new_tokens says;
+a cache that grows many times (rows moved per sequence, batch > 1 too) drafts exactly what
+a cache allocated up front drafts, and spec_generate stays lossless across the growths."""
+import copy
+
+import pytest
+import torch
+
+from dflash_ext import decoding, drafter as drafter_module
+from dflash_ext.decoding import spec_generate, target_generate
+from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.proposer import DFlashProposer
+from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from python_tests.helpers import DEVICES
+
+PROMPT = [5, 17, 33, 2, 9]
+STOP_PROMPT = [100, 3]  # the tiny Qwen3 target's answer brings a new token at index 17
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3")
+
+
+def _record_caches(monkeypatch):
+    """Every DraftCache the drafters make from now on, in order."""
+    made, real = [], DFlashDrafter.new_cache
+
+    def spy(self, *args, **kwargs):
+        made.append(real(self, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(DFlashDrafter, "new_cache", spy)
+    return made
+
+
+def _stop_after(tokens, at):
+    """A stop token that first occurs at index >= `at` of the greedy answer, and where it stops."""
+    for i in range(at, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return tokens[i], i
+    raise AssertionError(f"no token first occurs at index >= {at} of {tokens}")
+
+
+def test_an_answer_that_stops_early_allocates_for_what_it_generated(target, monkeypatch):
+    caches = _record_caches(monkeypatch)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=8)
+    stop, index = _stop_after(target_generate(target, STOP_PROMPT, 40).tokens, 16)
+    base = target_generate(target, STOP_PROMPT, 10 ** 9, stop_token_ids=[stop])
+    assert len(base.tokens) == index + 1
+
+    out = spec_generate(target, drafter, STOP_PROMPT, 10 ** 9, stop_token_ids=[stop])
+    assert out.tokens == base.tokens
+    (cache,) = caches
+    # the budget only bounds it: the rows allocated follow the prompt and the answer
+    assert cache.max_capacity >= 10 ** 9
+    assert cache.capacity <= 4 * (len(STOP_PROMPT) + len(out.tokens) + 8)
+    assert cache.k.shape[1] == cache.capacity
+    assert drafter.rope_tables(1)[0].shape[0] <= 1024  # nor do the RoPE tables follow the budget
+
+
+def test_spec_generate_stays_lossless_as_the_cache_grows_many_times(target, monkeypatch):
+    caches = _record_caches(monkeypatch)
+    # start at the prompt alone and grow in small steps: many growths within a short answer
+    monkeypatch.setattr(decoding, "_FIRST_BLOCKS", 0)
+    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
+    base = target_generate(target, PROMPT, 90)
+    out = spec_generate(target, drafter, PROMPT, 90)
+    assert out.tokens == base.tokens
+    (cache,) = caches
+    assert cache.capacity >= 8 * len(PROMPT)  # grown at least 3 times from the prompt's rows
+
+
+def _features(drafter, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, drafter.config.hidden_size, generator=g) for _ in drafter.config.target_layer_ids]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_a_growing_batch_cache_drafts_what_a_preallocated_one_drafts(monkeypatch, causal):
+    """Two sequences fed unevenly: every growth moves each one's rows to its new range."""
+    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    drafter = DFlashDrafter.from_target(tiny_target_config(), num_layers=2, block_size=4, causal=causal)
+    growing = drafter.new_cache(2, 3, max_capacity=500)
+    fixed = drafter.new_cache(2, 200)
+    H, B = drafter.config.hidden_size, 4
+    embeds = torch.randn(2, B, H, generator=torch.Generator().manual_seed(9))
+    capacities = set()
+    for step, (n0, n1) in enumerate([(5, 1), (1, 7), (3, 3), (9, 2), (2, 11), (17, 4), (6, 30)]):
+        for b, n in ((0, n0), (1, n1)):
+            start = growing.lengths[b]
+            feats = _features(drafter, n, seed=10 * step + b)
+            for cache in (growing, fixed):
+                drafter.add_context(cache, b, feats, torch.arange(start, start + n))
+        assert growing.lengths == fixed.lengths
+        capacities.add(growing.capacity)
+        positions = torch.tensor(growing.lengths)[:, None] + torch.arange(B)
+        torch.testing.assert_close(drafter.draft_hidden(growing, embeds, positions),
+                                   drafter.draft_hidden(fixed, embeds, positions), rtol=0, atol=0)
+    assert len(capacities) >= 4, f"the cache grew fewer than 3 times: capacities {sorted(capacities)}"
+    for b, n in enumerate(growing.lengths):  # the rows themselves moved, not only the lengths
+        for mine, theirs in ((growing.k, fixed.k), (growing.v, fixed.v)):
+            rows = slice(b * growing.capacity, b * growing.capacity + n)
+            assert torch.equal(mine[:, rows], theirs[:, b * fixed.capacity:b * fixed.capacity + n])
+    assert growing.offsets.tolist() == [0, growing.capacity]
+
+
+def test_a_growing_cache_is_full_at_its_max_capacity():
+    drafter = DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=4)
+    cache = drafter.new_cache(1, 4, max_capacity=10)
+    drafter.add_context(cache, 0, _features(drafter, 6, 0), torch.arange(6))
+    assert cache.capacity == 10  # doubled and rounded up, then held to the bound
+    with pytest.raises(RuntimeError, match="drafter context cache is full: sequence 0 needs 11 tokens, "
+                                           "more than its capacity of 10"):
+        drafter.add_context(cache, 0, _features(drafter, 5, 1), torch.arange(6, 11))
+    assert cache.lengths == (6,)
+    with pytest.raises(ValueError, match="max_capacity"):
+        drafter.new_cache(1, 8, max_capacity=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_growing_proposer_drafts_what_a_preallocated_one_drafts(device, monkeypatch):
+    """Every draft, not only the output (spec_generate is lossless whatever is drafted): the
+    cache and the RoPE tables grown many times (on CUDA: each growth captures the graph
+    again) draft the tokens of a proposer that had all its rows from the start."""
+    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    target = tiny_target("qwen3", num_hidden_layers=4, hidden_size=256).to(device)  # head_dim 64: every CUDA kernel
+    # two drafters, one weight set: each proposer's RoPE tables grow on their own drafter
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4).to(device)
+    grown = DFlashProposer(drafter, target, capacity=1100, initial_capacity=4)
+    fixed = DFlashProposer(copy.deepcopy(drafter), target, capacity=1100)
+    rope_start = grown.rope[0].shape[0]
+    # past the 1024 positions the first RoPE tables cover
+    ids = torch.randint(0, target.config.vocab_size, (1, 1100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = target(input_ids=ids.to(device), output_hidden_states=True).hidden_states
+    positions = torch.arange(1100, device=device)
+    capacities, pos = set(), 0
+    for step, n in enumerate([3, 1, 4, 2, 9, 4, 30, 1, 4, 60, 4, 100, 300, 500, 20]):
+        for p in (grown, fixed):
+            p.accept(hidden, slice(pos, pos + n), positions[pos:pos + n])
+        pos += n
+        capacities.add(grown.cache.capacity)
+        last = int(ids[0, pos])
+        got, want = grown.propose(last, pos, 3), fixed.propose(last, pos, 3)
+        assert torch.equal(got, want), f"step {step} at context {pos}: {got.tolist()} != {want.tolist()}"
+    assert len(capacities) >= 5 and grown.cache.capacity < fixed.cache.capacity
+    assert grown.rope[0].shape[0] > rope_start  # the tables grew with the positions
+    if grown.cuda_graph:  # the stale graphs were dropped: one per block shape remains
+        assert len(grown._graphs) == 1 and next(iter(grown._graphs.values())).fits(grown)
