@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["rms_norm", "rotate_half", "apply_rope", "project_features", "inject_context_kv",
-           "block_attention", "skinny_linear", "eager_project_features", "eager_bare_linear", "eager_inject_context_kv",
+           "block_attention", "skinny_linear", "block_conv", "eager_project_features", "eager_bare_linear", "eager_inject_context_kv",
            "eager_block_attention", "sdpa_supports_gqa", "sdpa_problem", "sdpa_block_attention"]
 
 
@@ -93,6 +93,25 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_
         p = torch.softmax(s, dim=-1)
         out[b] = torch.einsum("hij,jhd->ihd", p, v).to(q.dtype)
     return out
+
+
+def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor,
+               compute_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """DFlash2's dynamic depthwise convolution along each block, looking back only and never
+    across a block boundary: ``x [M, B, H]`` (M blocks of B slots), ``base [T, H]`` (a static
+    coefficient per tap and channel), ``delta [M, B, T, G]`` (a coefficient per slot, tap and
+    channel group; G divides H, channel c is in group c // (H / G)). Returns ``[M, B, H]``:
+    ``out[m, i, c] = sum_t (base[t, c] + delta[m, i, t, c // (H / G)]) * x[m, i - t, c]``
+    over the taps t <= i, accumulated in `compute_dtype` and cast to x's dtype once."""
+    M, B, H = x.shape
+    T, G = base.shape[0], delta.shape[-1]
+    xs = x.to(compute_dtype)
+    per_channel = delta.to(compute_dtype).repeat_interleave(H // G, dim=-1)  # [M, B, T, H]
+    coef = base.to(compute_dtype)[None, None] + per_channel
+    out = torch.zeros_like(xs)
+    for t in range(min(T, B)):
+        out[:, t:] += coef[:, t:, t] * xs[:, :B - t]
+    return out.to(x.dtype)
 
 
 # --------------------------------------------------------------------------- eager baselines
