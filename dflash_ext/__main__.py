@@ -145,7 +145,7 @@ def train_run_config(args):
     import dataclasses
 
     from .training.data import FeatureStore
-    from .training.trainer import TrainConfig, run_config
+    from .training.trainer import TrainConfig, run_config, trainable
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:  # only the flags given (not None): a resumed run takes the saved run's value of the others
@@ -153,6 +153,9 @@ def train_run_config(args):
     except ValueError as e:  # the message names the flag (--out, or the flag that differs from the saved run)
         raise UsageError(str(e)) from None
     records = _data_records("--data", cfg.data)
+    if not any(trainable(r, cfg.max_len) for r in records):
+        raise UsageError(f"argument --max-len: cut to {cfg.max_len} tokens, no record of {cfg.data} keeps two "
+                         f"response tokens to train on")
     if cfg.holdout >= len(records) and not cfg.extra_data:  # the --extra-data records are training ones
         raise UsageError(f"argument --holdout: holding out {cfg.holdout} of the {len(records)} records of "
                          f"{cfg.data} leaves none to train on")

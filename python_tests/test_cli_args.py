@@ -231,3 +231,9 @@ def test_generate_at_block_size_1_with_a_fresh_drafter_runs_the_target_alone(mon
     main(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "1", "--dtype", "float32",
           "--max-new-tokens", "3", "--draft-layers", "1"])
     assert "block size 1: the target alone" in capsys.readouterr().err
+
+
+def test_train_max_len_that_leaves_no_response_is_refused_before_loading(tmp_path, data, nothing_loads, capsys):
+    # the records have 3 prompt tokens: cut to 4 tokens, none keeps the two response tokens a label needs
+    err = _usage_error(["train", "--data", data, "--out", str(tmp_path / "o"), "--max-len", "4"], capsys)
+    assert "argument --max-len:" in err and "4 tokens" in err

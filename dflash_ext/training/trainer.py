@@ -303,14 +303,19 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
     return tau_of(correct), torch.cumprod(correct.float(), -1).mean(0).tolist()
 
 
+def trainable(record, max_len: int) -> bool:
+    """Whether a record cut to `max_len` tokens still has an anchor with a label (two
+    response tokens)."""
+    return min(len(record["input_ids"]), max_len) - record["response_start"] >= 2
+
+
 def _split_records(cfg: TrainConfig, features: "_Features"):
     """(training records, held-out records): the `holdout` highest ids of `cfg.data` are
     held out (so the held-out set stays the same whatever `cfg.extra_data` adds), less any
     whose prompt is a training record's, and the records of the `cfg.extra_data` folders
     are training records."""
     def usable(folder):
-        return [r for r in load_records(folder)
-                if features.usable(r) and min(len(r["input_ids"]), cfg.max_len) - r["response_start"] >= 2]
+        return [r for r in load_records(folder) if features.usable(r) and trainable(r, cfg.max_len)]
 
     records, heldout = split_holdout(usable(cfg.data), cfg.holdout)
     if cfg.extra_data and features.store is not None:
