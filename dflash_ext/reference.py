@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 __all__ = ["rms_norm", "rotate_half", "apply_rope", "project_features", "inject_context_kv",
            "block_attention", "skinny_linear", "block_conv", "eager_project_features", "eager_bare_linear",
-           "eager_inject_context_kv",
-           "eager_block_attention", "sdpa_supports_gqa", "sdpa_problem", "sdpa_block_attention"]
+           "eager_inject_context_kv", "eager_block_attention", "sdpa_supports_gqa", "sdpa_problem",
+           "sdpa_block_attention"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
