@@ -50,8 +50,11 @@ probability = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN
 seed_int = _checked(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")  # torch.Generator's range
 
 
+_block_size_int = _checked(int, lambda v: v >= 1, "auto or an integer >= 1")
+
+
 def parse_block_size(text):
-    return text if text == "auto" else _checked(int, lambda v: v >= 1, "auto or an integer >= 1")(text)
+    return text if text == "auto" else _block_size_int(text)
 
 
 def existing_dir(text):
@@ -131,6 +134,13 @@ def _target_layer_count(target) -> int:
     from .models import default_target_path
 
     return target_text_config(AutoConfig.from_pretrained(target or default_target_path())).num_hidden_layers
+
+
+def _check_drafter_fits(drafter, target_config) -> None:
+    try:
+        drafter.check_fits(target_config)
+    except ValueError as e:
+        raise UsageError(f"argument --drafter: {e}") from None
 
 
 def _check_layer_ids(layer_ids, num_layers):
@@ -320,10 +330,7 @@ def cmd_generate(args):
                   file=sys.stderr)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-        try:
-            drafter.check_fits(model.config)
-        except ValueError as e:
-            raise UsageError(f"argument --drafter: {e}")
+        _check_drafter_fits(drafter, model.config)
         note = f"drafter: {args.drafter}"
     else:
         # a drafter's block is >= 2; at --block-size 1 it drafts nothing anyway
@@ -472,9 +479,8 @@ def cmd_train(args):
 def cmd_eval(args):
     from .drafter import DFlashDrafter
     from .models import load_target
-    from .training.trainer import TrainConfig, evaluate_drafter
-
     from .training.data import drop_trained_prompts, split_holdout
+    from .training.trainer import TrainConfig, evaluate_drafter
 
     torch.set_num_threads(args.threads)
     _, heldout = split_holdout(_data_records("--data", args.data), args.holdout)
@@ -485,10 +491,7 @@ def cmd_eval(args):
                          "training record's prompt: none is left to measure tau on (a larger --holdout holds out more)")
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)
-    try:
-        drafter.check_fits(target.config)
-    except ValueError as e:
-        raise UsageError(f"argument --drafter: {e}")
+    _check_drafter_fits(drafter, target.config)
     cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
                       eval_stride=args.eval_stride, extra_data=args.extra_data or [],
                       features="live" if args.extra_data else "auto")
