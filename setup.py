@@ -207,6 +207,39 @@ def extensions():
                  extra_compile_args={"cxx": d["cxx_flags"]}, extra_link_args=d["link_flags"])]
 
 
+# Loads the built library in a fresh interpreter and makes an op raise an error whose message
+# formats a number. A compiler that links its own static libstdc++ into the library (seen:
+# /opt/gcc/bin/g++ on a CUDA image) leaves that copy's locale uninitialised, and such a
+# message then crashes the process (SIGSEGV) or loses the number ("got " for "got -1").
+_ERROR_MESSAGE_PROBE = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+try:
+    torch.ops.dflash_ext.project_features([torch.ones(2, 4)], torch.ones(3, 4), torch.ones(3), -1.0)
+except RuntimeError as e:
+    if "got -1" not in str(e):
+        sys.exit(3)  # the number went missing
+else:
+    raise SystemExit("project_features accepted eps=-1")
+"""
+
+
+def check_error_messages_survive(library):
+    """Fail the build when the library crashes on its own error messages; warn when the probe
+    cannot run here (e.g. a cross build)."""
+    probe = subprocess.run([sys.executable, "-c", _ERROR_MESSAGE_PROBE, library], capture_output=True, text=True)
+    if probe.returncode < 0 or probe.returncode == 3:
+        cxx = os.environ.get("CXX", "c++")
+        what = f"crashed (signal {-probe.returncode})" if probe.returncode < 0 else "lost the number"
+        raise RuntimeError(
+            f"{library} {what} raising an error whose message holds a number. "
+            f"The C++ compiler (CXX={cxx}) most likely linked a private, static libstdc++ into it; rebuild "
+            "with CXX (and CC) naming a compiler that links libstdc++ dynamically, e.g. CXX=/usr/bin/g++ "
+            "CC=/usr/bin/gcc (docs/cuda.md).")
+    if probe.returncode != 0:
+        print(f"warning: could not check {library}'s error messages here:\n{probe.stderr[-2000:]}", file=sys.stderr)
+
+
 def build_ext_class():
     from torch.utils.cpp_extension import BuildExtension
 
@@ -229,6 +262,8 @@ def build_ext_class():
                 for ext in self.extensions:
                     ext.extra_objects = list(ext.extra_objects or []) + objects
             super().build_extensions()
+            for ext in self.extensions:
+                check_error_messages_survive(self.get_ext_fullpath(ext.name))
 
     return BuildExtensionWithArchObjects.with_options(use_ninja=True)
 

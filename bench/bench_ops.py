@@ -238,7 +238,8 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", nargs="+", type=int, default=None,
                     help="block_attention context lengths (default 512 4096; --quick 512)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1], help="sequences per block_attention call (default 1)")
-    ap.add_argument("--ops", nargs="+", choices=OPS, default=OPS, help="ops to run (default all)")
+    ap.add_argument("--ops", nargs="+", choices=OPS, default=None,
+                    help="ops to run (default: every op with a kernel on --device)")
     ap.add_argument("--isa", nargs="+", choices=ISA_LEVELS + ["all"], default=None,
                     help="CPU: run once per ISA level, forced with dflash_ext.hardware.forced_cpu_isa; 'all': every "
                          "level up to the detected one (default: the active level, not forced)")
@@ -266,9 +267,10 @@ def parse_args(argv=None):
 def main(argv=None, extras=None):
     """extras: the CUDA columns (copy bandwidth, fused_gbps, SDPA); None: on CUDA (tests force them on CPU)."""
     args = parse_args(argv)
-    device, missing = _common.start(args, args.ops, prog="bench_ops")
-    if missing:
+    device, missing = _common.start(args, args.ops or OPS, prog="bench_ops")
+    if missing and args.ops:
         sys.exit(f"bench_ops: dflash_ext has no CUDA kernel for {missing}; run on --device cpu")
+    args.ops = [op for op in args.ops or OPS if op not in missing]
     args.sdpa = extras = device.type == "cuda" if extras is None else extras
     timing, log = _common.timing(args), _common.logger()
     meta = _common.metadata(device, dtypes=args.dtype, presets={n: PRESETS[n] for n in args.presets},

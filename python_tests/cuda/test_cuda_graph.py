@@ -95,7 +95,7 @@ def test_cuda_graph_replays_equal_the_eager_step_as_the_context_grows(dtype, dra
         for p in (graph, eager):
             p.accept(hs, slice(pos, pos + n), positions[pos:pos + n])
         pos += n
-    assert graph.cuda_graph and 7 in graph._graphs
+    assert graph.cuda_graph and [n for _, n in graph._graphs] == [7]  # one step, keeping 7 tokens
 
 
 @CUDA_ONLY

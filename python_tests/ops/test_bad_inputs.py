@@ -228,3 +228,15 @@ def test_device_mismatch_raises(op, arg, match, devices):
         kwargs[arg] = kwargs[arg].to(other)
     with pytest.raises(RuntimeError, match=match):
         OPS[op](**kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_error_messages_keep_their_numbers(device):
+    # A library linked with a private static libstdc++ loses (or crashes on) the numbers in
+    # its messages: seen with the CUDA image's /opt/gcc compiler (setup.py probes for it too).
+    features, fc_weight, norm_weight, _ = make_project_inputs(3, 8, 2, 8, device=device)
+    with pytest.raises(RuntimeError, match=r"eps must be finite and >= 0, got -0\.25"):
+        dflash_ext.project_features(features, fc_weight, norm_weight, -0.25)
+    kwargs = to_device(base_kwargs("block_attention"), device)
+    with pytest.raises(RuntimeError, match=r"window must be >= 0 \(0 = no window\), got -3"):
+        dflash_ext.block_attention(**{**kwargs, "window": -3})

@@ -12,7 +12,7 @@
 #   6. runs bench.draft_latency (a Qwen3-8B-shaped draft step: CUDA graph vs eager
 #      fused vs reference vs the HBM floor, B in {8, 16}, context in {1k, 4k, 16k}) and a
 #      short bench.bench_ops (medians, GB/s against the measured copy bandwidth).
-# The step limits add up to about 8 minutes (the device tool cuts a call at 10), the most
+# The step limits add up to about 9 minutes (the device tool cuts a call at 10), the most
 # important first; a step that runs out is recorded as failed (rc 124) and the rest go on.
 # Usage: tools/gpu/gpu_check.sh [OUT_DIR]   (default: $OUT, else ./gpu_check_out)
 # Every step logs to OUT_DIR/<step>.log; OUT_DIR/summary.txt has one line per step; the
@@ -30,6 +30,10 @@ if [ -z "${CUDA_HOME:-}" ]; then
     if [ -x "$c/bin/nvcc" ]; then export CUDA_HOME=$c; break; fi
   done
 fi
+# The system compiler, which links libstdc++ dynamically as torch does: the CUDA image's
+# CXX=/opt/gcc/bin/g++ links a private static copy whose number formatting crashes every
+# error message that holds a number (seen 2026-12-04; setup.py now refuses such a build).
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 failed=0
@@ -83,17 +87,21 @@ if ! step build 200 build; then
   echo "build failed: see $OUT_DIR/build.log" | tee -a "$SUMMARY"
   exit 1
 fi
-step tests 80 "$PY" -m pytest -q -rs -x -p no:cacheprovider -m "not slow" --junitxml="$OUT_DIR/tests.xml" \
+# -k cuda: the CUDA cases (the CPU ones are CI's); no -x, so one failure hides no other;
+# pytest-xdist, where installed, spreads them over 4 workers.
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+step tests 200 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" -k cuda $XDIST --junitxml="$OUT_DIR/tests.xml" \
   python_tests/cuda/test_cuda_graph.py python_tests/ops/test_validation_modes.py python_tests/cuda/test_cuda_plans.py \
   python_tests/ops/test_project_features.py python_tests/ops/test_inject_context_kv.py \
   python_tests/ops/test_block_attention.py python_tests/ops/test_bad_inputs.py \
-  python_tests/ops/test_compile_opcheck.py python_tests/cuda/test_cuda_build.py
+  python_tests/ops/test_compile_opcheck.py python_tests/cuda/test_cuda_build.py \
+  python_tests/decoding/test_draft_cache_growth.py
 step memcheck 50 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" -m tools.gpu.cuda_sanitizer_cases
 step draft_latency 60 "$PY" -m bench.draft_latency --device cuda --presets qwen3-8b --dtype bfloat16 \
   --blocks 8 16 --contexts 1024 4096 16384 --batch 1 --budget 0.3 --max-wait 2 --no-breakdown \
   --json "$OUT_DIR/draft_latency_cuda.json" --png "$OUT_DIR/draft_latency_cuda.png"
 step racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" -m tools.gpu.cuda_sanitizer_cases --quick
-step bench_ops 40 "$PY" -m bench.bench_ops --device cuda --dtype bfloat16 --tokens 1 16 \
+step bench_ops 60 "$PY" -m bench.bench_ops --device cuda --presets qwen3-8b --dtype bfloat16 --tokens 1 16 \
   --contexts 4096 16384 --batch 1 --budget 0.1 --json "$OUT_DIR/bench_ops_cuda.json"
 cat "$SUMMARY"
 exit "$failed"
