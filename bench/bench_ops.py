@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.bench_ops --isa all       # every CPU path this machine can run
     .venv/bin/python -m bench.bench_ops --presets smollm2 --tokens 1 16 --contexts 4096 --batch 1 4
     .venv/bin/python -m bench.bench_ops --device cuda
+    .venv/bin/python -m bench.bench_ops --ops block_conv --dtype all --presets smollm2 --conv-hidden 576 2048 4096
 
 Prints the CPU model and ISA level found, then a table per op whose rows name the ISA level
 the CPU kernels ran at (``isa``; ``--isa`` forces levels with hardware.forced_cpu_isa) and
@@ -13,6 +14,9 @@ Shapes: the ``smollm2`` and ``qwen3-8b`` drafters (PRESETS). Baselines, in the o
 dflash_ext.reference.eager_* (skinny_linear: F.linear on the target's layer shapes; ratio =
 eager_ms / fused_ms) and, for project_features,
 eager_bare_linear on the features concatenated beforehand (ratio_vs_linear = linear_ms /
+fused_ms); block_conv (DFlash2, docs/dflash2.md: T = 2 taps, groups of 16 channels, B slots
+per block, M = --batch blocks, H = the preset's or --conv-hidden) against eager_block_conv
+and reference.block_conv (fp32 math, the specification; ratio_vs_reference = reference_ms /
 fused_ms). Each configuration is checked (fused vs eager, allclose; errors against the fp32
 reference) before it is timed; a mismatch exits with status 1. Goals: GOALS. Timing: medians
 of torch.utils.benchmark's adaptive_autorange (_common.measure); '!' marks a spread (IQR /
@@ -27,6 +31,7 @@ import math
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from bench import _common
 from bench._common import DTYPES, MismatchError
@@ -39,7 +44,8 @@ from dflash_ext.testing import randn
 PRESETS = {name: dict(H=p["hidden_size"], Hq=p["num_attention_heads"], Hkv=p["num_key_value_heads"], D=p["head_dim"],
                       N=p["num_hidden_layers"], k=p["k"], I=p["intermediate_size"], V=p["vocab_size"])
            for name, p in _common.DRAFTERS.items()}
-OPS = ["project_features", "inject_context_kv", "block_attention", "skinny_linear"]
+OPS = ["project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv"]
+DEFAULT_OPS = OPS[:4]  # DFlash's; block_conv (DFlash2's, its own shapes) runs when named in --ops
 ISA_LEVELS = list(getattr(hardware, "ISA_LEVELS", ["avx2", "avx512", "avx512_bf16", "amx_bf16"]))
 # Eager rounds intermediates to the dtype, the fused ops accumulate in fp32.
 TOLS = {torch.float32: (2e-3, 2e-3), torch.bfloat16: (6e-2, 6e-2), torch.float16: (1e-2, 1e-2)}
@@ -52,7 +58,9 @@ GOALS = {  # op: (row key, target, where it applies, text)
     "block_attention": ("ratio", 2.0, lambda r: r["tokens"] <= 16 and 512 <= r["context"] <= 4096,
                         "ratio (eager/fused) >= 2x at Bq <= 16, context 512..4096"),
     "skinny_linear": ("ratio", 1.0, lambda r: r["tokens"] <= 8, "ratio (F.linear/fused) >= 1 at T <= 8"),
+    "block_conv": ("ratio", 2.0, lambda r: True, "ratio (eager/fused) >= 2x"),
 }
+CONV_TAPS, CONV_GROUP = 2, 16  # DFlash2's conv_kernel_size and conv_group_size (docs/dflash2.md)
 LM_HEAD_MAX_ELEMENTS = 64 << 20  # skinny_linear times the LM head of the smaller preset only (Qwen3's: 2.5 GB fp32)
 
 
@@ -67,10 +75,10 @@ def check_close(name, fused, other, ref, dtype, other_name="eager"):
                             f"max|{other_name}-ref32|={(e - r).abs().max().item():.4g}")
 
 
-def min_bytes(op, p, itemsize, tokens, context=None, batch=None, weight_shape=None):
+def min_bytes(op, p, itemsize, tokens, context=None, batch=None, weight_shape=None, conv_shape=None):
     """The fewest bytes one call of the fused `op` moves: every input element read once and every
     output element written once (p: a PRESETS entry; tokens = T or Bq; context, batch: attention;
-    weight_shape: skinny_linear)."""
+    weight_shape: skinny_linear; conv_shape: block_conv's (M, B, H, T, G))."""
     H, Hq, Hkv, D, N, k = (p[key] for key in ("H", "Hq", "Hkv", "D", "N", "k"))
     if op == "project_features":  # fc_weight, norm_weight, features, out (H_out = H)
         return (H * k * H + H + tokens * k * H + tokens * H) * itemsize
@@ -82,13 +90,16 @@ def min_bytes(op, p, itemsize, tokens, context=None, batch=None, weight_shape=No
     if op == "skinny_linear":  # weight [n_out, n_in], x, out
         n_out, n_in = weight_shape
         return (n_out * n_in + tokens * (n_in + n_out)) * itemsize
+    if op == "block_conv":  # x, out, base, delta
+        M, B, H, T, G = conv_shape
+        return (2 * M * B * H + T * H + M * B * T * G) * itemsize
     raise ValueError(f"min_bytes: unknown op {op!r}")
 
 
 def add_bandwidth(row, copy_gbps):
     """Add min_bytes, fused_gbps and pct_of_copy to a row tagged with its preset and dtype."""
     nbytes = min_bytes(row["op"], PRESETS[row["preset"]], DTYPES[row["dtype"]].itemsize, row["tokens"],
-                       row["context"], row["batch"], row.get("weight_shape"))
+                       row["context"], row["batch"], row.get("weight_shape"), row.get("conv_shape"))
     gbps = nbytes / row["fused_ms"] / 1e6
     row.update(min_bytes=nbytes, fused_gbps=gbps, pct_of_copy=100.0 * gbps / copy_gbps)
     return row
@@ -175,8 +186,30 @@ def cases_skinny_linear(p, dtype, device, args, gen):
                 fused=lambda: ops.skinny_linear(x, weight), eager=lambda: torch.nn.functional.linear(x, weight))
 
 
+def eager_block_conv(x, base, delta):
+    """The block_conv a user would write, in x's dtype: T - 1 zero slots padded in front of
+    each block, the T-slot windows unfolded, times base plus the group deltas repeated over
+    their channels (window position T - 1 - t holds tap t), summed."""
+    T, H, G = base.shape[0], x.shape[-1], delta.shape[-1]
+    windows = F.pad(x, (0, 0, T - 1, 0)).unfold(1, T, 1)  # [M, B, H, T]
+    coef = base.flip(0).T + delta.flip(2).repeat_interleave(H // G, -1).transpose(-1, -2)  # [M, B, H, T]
+    return (windows * coef).sum(-1)
+
+
+def cases_block_conv(p, dtype, device, args, gen):
+    for H, M, B in itertools.product(args.conv_hidden or [p["H"]], args.batch, args.conv_blocks):
+        G = H // CONV_GROUP
+        a = (randn((M, B, H), gen, dtype, device), randn((CONV_TAPS, H), gen, dtype, device, 0.5),
+             randn((M, B, CONV_TAPS, G), gen, dtype, device, 0.5))
+        fused, ref = ops.block_conv(*a), reference.block_conv(*a)
+        check_close(f"block_conv[{dtype}, M={M}, B={B}, H={H}]", fused, eager_block_conv(*a), ref, dtype)
+        yield dict(tokens=B, context=None, batch=M, hidden=H, conv_shape=(M, B, H, CONV_TAPS, G)), dict(
+            fused=lambda: ops.block_conv(*a), eager=lambda: eager_block_conv(*a),
+            reference=lambda: reference.block_conv(*a))
+
+
 CASES = dict(project_features=cases_project_features, inject_context_kv=cases_inject_context_kv,
-             block_attention=cases_block_attention, skinny_linear=cases_skinny_linear)
+             block_attention=cases_block_attention, skinny_linear=cases_skinny_linear, block_conv=cases_block_conv)
 
 
 # --------------------------------------------------------------------------- goals and output
@@ -199,7 +232,7 @@ def measure_row(row, fns, timing, copy):
     """Time the callables of one case; returns `row` with medians, ratios, bandwidth and goal."""
     t, info = _common.measure(fns, **timing)
     row.update({f"{n}_ms": v for n, v in t.items()}, ratio=t["eager"] / t["fused"])
-    row.update({f"ratio_vs_{n}": t[n] / t["fused"] for n in ("linear", "sdpa") if n in t})
+    row.update({f"ratio_vs_{n}": t[n] / t["fused"] for n in ("linear", "sdpa", "reference") if n in t})
     if copy:
         add_bandwidth(row, copy["copy_gbps"])
     return dict(row, goal=goal_status(row), **info)
@@ -214,11 +247,13 @@ def goal_status(row):
 
 
 def table(op, rows):
-    cols = ["preset", "dtype", "isa", "path", ("tokens", "Bq" if op == "block_attention" else "T", "{}")]
+    cols = ["preset", "dtype", "isa", "path", ("tokens", {"block_attention": "Bq", "block_conv": "B"}.get(op, "T"), "{}")]
     cols += ["batch", "context"] if op == "block_attention" else []
+    cols += [("batch", "M", "{}"), ("hidden", "H", "{}")] if op == "block_conv" else []
     cols += ["weight"] if op == "skinny_linear" else []
     cols += [("fused_ms", "fused_ms", "{:.4f}"), ("eager_ms", "eager_ms", "{:.4f}"), ("ratio", "ratio", "{:.2f}x")]
-    for ms, ratio in (("linear_ms", "ratio_vs_linear"), ("sdpa_ms", "ratio_vs_sdpa")):
+    for ms, ratio in (("linear_ms", "ratio_vs_linear"), ("sdpa_ms", "ratio_vs_sdpa"),
+                      ("reference_ms", "ratio_vs_reference")):
         if any(ms in r for r in rows):
             cols += [(ms, ms, "{:.4f}"), (ratio, ratio, "{:.2f}x")]
     if any("fused_gbps" in r for r in rows):
@@ -239,7 +274,12 @@ def parse_args(argv=None):
                     help="block_attention context lengths (default 512 4096; --quick 512)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1], help="sequences per block_attention call (default 1)")
     ap.add_argument("--ops", nargs="+", choices=OPS, default=None,
-                    help="ops to run (default: every op with a kernel on --device)")
+                    help=f"ops to run (default: those of {' '.join(DEFAULT_OPS)} with a kernel on --device; "
+                         "block_conv when named)")
+    ap.add_argument("--conv-blocks", nargs="+", type=int, default=[4, 8, 16],
+                    help="block_conv: slots per block B (default 4 8 16)")
+    ap.add_argument("--conv-hidden", nargs="+", type=int, default=None,
+                    help="block_conv: widths H, multiples of 16 (default: the preset's hidden size)")
     ap.add_argument("--isa", nargs="+", choices=ISA_LEVELS + ["all"], default=None,
                     help="CPU: run once per ISA level, forced with dflash_ext.hardware.forced_cpu_isa; 'all': every "
                          "level up to the detected one (default: the active level, not forced)")
@@ -251,6 +291,8 @@ def parse_args(argv=None):
     args.dtype = list(DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
     if min(args.tokens) < 1 or min(args.contexts) < 0 or min(args.batch) < 1 or args.copy_mib <= 0:
         ap.error("--tokens and --batch must be >= 1, --contexts >= 0, --copy-mib > 0")
+    if min(args.conv_blocks) < 1 or any(h < CONV_GROUP or h % CONV_GROUP for h in args.conv_hidden or []):
+        ap.error(f"--conv-blocks must be >= 1, --conv-hidden positive multiples of {CONV_GROUP}")
     isa = _common.cpu_isa() if args.device == "cpu" else None
     if args.isa is None:
         args.isa_levels = [isa["active"] if isa else None]
@@ -267,10 +309,10 @@ def parse_args(argv=None):
 def main(argv=None, extras=None):
     """extras: the CUDA columns (copy bandwidth, fused_gbps, SDPA); None: on CUDA (tests force them on CPU)."""
     args = parse_args(argv)
-    device, missing = _common.start(args, args.ops or OPS, prog="bench_ops")
+    device, missing = _common.start(args, args.ops or DEFAULT_OPS, prog="bench_ops")
     if missing and args.ops:
         sys.exit(f"bench_ops: dflash_ext has no CUDA kernel for {missing}; run on --device cpu")
-    args.ops = [op for op in args.ops or OPS if op not in missing]
+    args.ops = [op for op in args.ops or DEFAULT_OPS if op not in missing]
     args.sdpa = extras = device.type == "cuda" if extras is None else extras
     timing, log = _common.timing(args), _common.logger()
     meta = _common.metadata(device, dtypes=args.dtype, presets={n: PRESETS[n] for n in args.presets},
@@ -299,7 +341,8 @@ def main(argv=None, extras=None):
     if meta["cpu_isa"] and device.type == "cpu":
         print(f"# CPU ISA features: {' '.join(meta['cpu_isa']['features'])}; columns isa / path: the ISA level the "
               "CPU kernels ran at and the path each op took there")
-    print("# medians in ms; ratio = eager_ms / fused_ms; ratio_vs_linear = linear_ms / fused_ms; n = timed blocks")
+    print("# medians in ms; ratio = eager_ms / fused_ms; ratio_vs_linear = linear_ms / fused_ms; ratio_vs_reference "
+          "= reference_ms / fused_ms; n = timed blocks")
     if copy:
         print(f"# Copy bandwidth {copy['copy_gbps']:.1f} GB/s (median dst.copy_(src) of {copy['copy_bytes'] / 2**20:g} "
               "MiB, read + write counted); fused_gbps = min_bytes / fused_ms; pct_of_copy = fused_gbps / copy "

@@ -42,6 +42,9 @@ DEFAULT_GRIDS = {  # [(preset, dtype, batches, contexts, blocks)], each expanded
     "cpu": [("smollm2", "float32", [1], ALL_CONTEXTS, ALL_BLOCKS), ("smollm2", "float32", [4, 16], [512, 8192], [4, 16]),
             ("qwen3-8b", "bfloat16", [1], [512, 2048], [4, 16])],  # qwen3 in bf16: its LM head is 2.5 GB in fp32
 }
+KINDS = ["dflash", "dflash2"]
+# DFlash2 drafters: the published checkpoints' convolution and selector (docs/dflash2.md)
+DFLASH2_SHAPES = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
 PIECES, PATHS = ["project", "inject", "attention", "layers_rest", "lm_head"], ["fused", "reference"]
 GRAPH = "graph"  # the fused step in a CUDA graph (CUDA only)
 CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # ||fused - ref|| / ||ref||
@@ -59,13 +62,15 @@ def build_grid(args, device):
     return [(p, d, *x) for p, d, *lists in specs for x in itertools.product(*lists)]
 
 
-def build_drafter(preset, dtype, device, seed, max_block):
-    """A DFlashDrafter of the preset's shapes with random weights, and a random LM head [V, H]."""
+def build_drafter(preset, dtype, device, seed, max_block, kind="dflash"):
+    """A DFlashDrafter of the preset's shapes with random weights, and a random LM head [V, H];
+    kind "dflash2" adds DFlash2's block convolutions and selector (DFLASH2_SHAPES)."""
     p = dict(PRESETS[preset])
     k, theta = p.pop("k"), p.pop("rope_theta")
     cfg = DFlashConfig(**p, target_layer_ids=default_target_layer_ids(p["num_target_layers"], k),
                        mask_token_id=p["vocab_size"] - 1, block_size=max_block, max_position_embeddings=1 << 17,
-                       rope_parameters={"rope_type": "default", "rope_theta": theta})
+                       rope_parameters={"rope_type": "default", "rope_theta": theta},
+                       **(DFLASH2_SHAPES if kind == "dflash2" else {}))
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     drafter = drafter.to(dtype).to_empty(device=device).eval()  # no fp32 copy of the Qwen3 weights
@@ -147,7 +152,8 @@ class Setup:
         return self.graph_out
 
     def lm_head(self, hidden):
-        return draft_tokens(hidden, self.lm_w)
+        selector = getattr(self.d, "candidate_selector", None)  # DFlash2: its path over the top-K
+        return draft_tokens(hidden, self.lm_w, selector=selector, anchor=self.ids[:, 0])
 
     def step(self, fused, validate=True):
         self.inject(fused, validate)
@@ -179,6 +185,19 @@ def kv_bytes(cfg, batch, rows, itemsize):
     return 2 * cfg.num_hidden_layers * batch * rows * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
+def weight_bytes_read(s):
+    """Every weight read once, but of DFlash2's codebooks [V, R] only the rows the selector
+    gathers: each slot's K candidates and the token before it."""
+    selector = getattr(s.d, "candidate_selector", None)
+    books = set() if selector is None else {id(selector.predecessor_codebook), id(selector.successor_codebook)}
+    wb = sum(p.numel() * p.element_size() for p in [*s.d.parameters(), s.lm_w] if id(p) not in books)
+    if selector is not None:
+        c = s.d.config
+        rows = s.batch * (s.ids.shape[1] - 1) * (c.selector_top_k + 1)
+        wb += rows * c.selector_rank * selector.successor_codebook.element_size()
+    return wb
+
+
 def check_paths(s, dtype, paths):
     """Fused and reference hidden states must agree; returns error metrics for the JSON."""
     h = {}
@@ -201,7 +220,7 @@ def time_step(s, paths, timing, bw, breakdown):
     """A row's timings: the whole step of each path, its floor and the per-op breakdown."""
     steps = {"fused": lambda: s.step(True), "reference": lambda: s.step(False), GRAPH: s.graph_step}
     t, info = _common.measure({path: steps[path] for path in paths}, **timing)
-    wb = sum(p.numel() * p.element_size() for p in [*s.d.parameters(), s.lm_w])  # every weight read once
+    wb = weight_bytes_read(s)
     kvb = kv_bytes(s.d.config, s.batch, s.context + s.tau, s.lm_w.element_size())  # the context K/V read
     row = dict(bytes_weights=wb, bytes_kv=kvb, floor_ms=(wb + kvb) / (bw * 1e6),
                speedup=t["reference"] / t["fused"] if "fused" in t else None)
@@ -220,7 +239,7 @@ def time_step(s, paths, timing, bw, breakdown):
     return row
 
 
-KEYS = ["preset", "dtype", "batch", "context", ("block_size", "B", "{}")]
+KEYS = ["kind", "preset", "dtype", "batch", "context", ("block_size", "B", "{}")]
 MAIN_COLS = KEYS + ["tau", ("fused_ms", "fused_ms", "{:.3f}"), ("reference_ms", "ref_ms", "{:.3f}"),
                     ("speedup", "ref/fused", "{:.2f}x"), ("floor_ms", "floor_ms", "{:.3f}"),
                     ("x_floor_fused", "fused x floor", "{:.1f}"), ("x_floor_reference", "ref x floor", "{:.1f}"),
@@ -237,18 +256,18 @@ def plot(rows, path):
     plt = _common.pyplot()
     if plt is None or not rows:
         return False
-    panels = sorted({(r["preset"], r["dtype"], r["batch"]) for r in rows})
+    panels = sorted({(r.get("kind", "dflash"), r["preset"], r["dtype"], r["batch"]) for r in rows})
     contexts = sorted({r["context"] for r in rows})
     ncol, nrow = min(3, len(panels)), math.ceil(len(panels) / 3)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6 * ncol, 4.2 * nrow), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
-        sub = [r for r in rows if (r["preset"], r["dtype"], r["batch"]) == panel]
+        sub = [r for r in rows if (r.get("kind", "dflash"), r["preset"], r["dtype"], r["batch"]) == panel]
         for (i, ctx), (kind, style) in itertools.product(enumerate(contexts), (("fused", "-o"), ("reference", "--s"))):
             pts = sorted((r["block_size"], r[f"{kind}_ms"]) for r in sub if r["context"] == ctx and r[f"{kind}_ms"])
             if pts:
                 ax.plot(*zip(*pts), style, color=plt.cm.viridis(i / max(1, len(contexts) - 1)), markersize=4,
                         label=f"ctx {ctx} {kind}")
-        ax.set(title="{} {} batch {}".format(*panel), xlabel="block size B", ylabel="draft step latency (ms, median)",
+        ax.set(title="{} {} {} batch {}".format(*panel), xlabel="block size B", ylabel="draft step latency (ms, median)",
                yscale="log", xticks=sorted({r["block_size"] for r in sub}))
         ax.yaxis.set_major_formatter("{x:g}")
         ax.grid(True, which="both", alpha=0.3)
@@ -268,6 +287,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", nargs="+", type=int, default=None, help="sequences per step (default 1)")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None,
                     help="default: bf16 on CUDA and for qwen3-8b, else fp32")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["dflash"],
+                    help="drafter kinds: dflash (default) and/or dflash2 (its convolutions and selector)")
     ap.add_argument("--tau", type=int, default=4, help="accepted tokens injected per step (default 4)")
     ap.add_argument("--context-fill", choices=["auto", "inject", "random"], default="auto")
     ap.add_argument("--max-kv-gb", type=float, default=None,
@@ -293,18 +314,19 @@ def main(argv=None):
     grid, timing, log = build_grid(args, device), _common.timing(args), _common.logger()
     bw = _common.copy_bandwidth(device, **timing)["copy_gbps"]
     meta = _common.metadata(device, copy_bandwidth_gbs=round(bw, 2), tau=args.tau, quick=args.quick, timing=timing,
-                            cuda_graphs=GRAPH in paths, paths=paths, max_kv_gb=max_kv_gb,
+                            cuda_graphs=GRAPH in paths, paths=paths, max_kv_gb=max_kv_gb, kinds=args.kinds,
                             presets={k: v for k, v in PRESETS.items() if k in {g[0] for g in grid}},
                             grid=[dict(zip(("preset", "dtype", "batch", "context", "block_size"), g)) for g in grid])
     log(f"draft_latency: {_common.header(meta)}, copy {bw:.1f} GB/s, {len(grid)} configurations, tau {args.tau}")
     rows, skipped = [], []
     try:
-        for (preset, dname), group in itertools.groupby(grid, key=lambda g: g[:2]):  # one drafter each
-            group, dtype = list(group), DTYPES[dname]
-            drafter, lm_w = build_drafter(preset, dtype, device, args.seed, max(g[4] for g in group))
+        per_drafter = [(key, list(group)) for key, group in itertools.groupby(grid, key=lambda g: g[:2])]
+        for kind, ((preset, dname), group) in itertools.product(args.kinds, per_drafter):  # one drafter each
+            dtype = DTYPES[dname]
+            drafter, lm_w = build_drafter(preset, dtype, device, args.seed, max(g[4] for g in group), kind)
             gen = torch.Generator(device=device).manual_seed(args.seed + 1)
             for (bsz, context), sub in itertools.groupby(group, key=lambda g: g[2:4]):  # one cache each
-                where = dict(preset=preset, dtype=dname, batch=bsz, context=context)
+                where = dict(kind=kind, preset=preset, dtype=dname, batch=bsz, context=context)
                 kv_gb = kv_bytes(drafter.config, bsz, context + args.tau, lm_w.element_size()) / 1e9
                 if kv_gb > max_kv_gb:
                     skipped += [dict(where, block_size=g[4], reason=f"kv cache {kv_gb:.1f} GB > {max_kv_gb} GB")

@@ -151,6 +151,23 @@ SkinnyLinearDims check_skinny_linear(const at::Tensor& x, const at::Tensor& weig
   return {x.size(0), N, x.size(1)};
 }
 
+BlockConvDims check_block_conv(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta) {
+  TORCH_CHECK(x.defined() && x.dim() == 3, "x must be a 3-D tensor [M, B, H], got shape ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(is_supported_float(x.scalar_type()), "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const int64_t M = x.size(0), B = x.size(1), H = x.size(2);
+  check_tensor(base, "base", 2, x, "x");
+  TORCH_CHECK(base.size(1) == H, "base must have shape [T, H] with H=", H, " (the width of x), got ", base.sizes());
+  const int64_t T = base.size(0);
+  check_tensor(delta, "delta", 4, x, "x");
+  TORCH_CHECK(delta.size(0) == M && delta.size(1) == B && delta.size(2) == T, "delta must have shape [M, B, T, G] = [",
+              M, ", ", B, ", ", T, ", G] (M, B of x, T of base), got ", delta.sizes());
+  const int64_t G = delta.size(3);
+  TORCH_CHECK(G > 0 && H % G == 0, "delta's channel groups G=", G, " (its last dim) must be >= 1 and divide H=", H,
+              " (the width of x)");
+  return {M, B, H, T, G};
+}
+
 void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu, int64_t P,
                           int64_t S) {
   const auto pos = positions_cpu.contiguous();

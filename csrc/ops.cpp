@@ -1,7 +1,9 @@
-// Op schemas (TORCH_LIBRARY), and skinny_linear's library fallback for devices without
-// a kernel of ours. The device kernels register in cpu/ and cuda/.
+// Op schemas (TORCH_LIBRARY), and the fallbacks in ATen ops for devices without a kernel of
+// ours (skinny_linear, block_conv). The device kernels register in cpu/ and cuda/.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+
+#include <algorithm>
 
 #include "dflash/checks.h"
 
@@ -16,6 +18,7 @@ TORCH_LIBRARY(dflash_ext, m) {
       "Tensor cache_offsets, Tensor cache_lens, float scale, int window=0, int max_context=-1, "
       "bool validate=True, bool causal=False) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("block_conv(Tensor x, Tensor base, Tensor delta) -> Tensor");
 }
 
 // skinny_linear on devices without a kernel of ours (CUDA: cuBLAS handles few rows itself):
@@ -26,4 +29,21 @@ static at::Tensor skinny_linear_library(const at::Tensor& x, const at::Tensor& w
   return at::linear(x, weight, bias);
 }
 
-TORCH_LIBRARY_IMPL(dflash_ext, CompositeExplicitAutograd, m) { m.impl("skinny_linear", &skinny_linear_library); }
+// block_conv on devices without a kernel of ours: not fused on CUDA yet. The checks, then the
+// math of dflash_ext.reference.block_conv in ATen ops (fp32, one cast to x's dtype); the CPU
+// kernel (cpu/block_conv.cpp) takes precedence.
+static at::Tensor block_conv_unfused(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta) {
+  const dflash::BlockConvDims d = dflash::check_block_conv(x, base, delta);
+  const at::Tensor xs = x.to(at::kFloat);
+  const at::Tensor coef = base.to(at::kFloat).view({1, 1, d.T, d.H}) +
+                          delta.to(at::kFloat).repeat_interleave(d.H / d.G, /*dim=*/-1);  // [M, B, T, H]
+  at::Tensor out = at::zeros({d.M, d.B, d.H}, xs.options());
+  for (int64_t t = 0; t < std::min(d.T, d.B); ++t)
+    out.narrow(1, t, d.B - t).addcmul_(coef.select(2, t).narrow(1, t, d.B - t), xs.narrow(1, 0, d.B - t));
+  return out.to(x.scalar_type());
+}
+
+TORCH_LIBRARY_IMPL(dflash_ext, CompositeExplicitAutograd, m) {
+  m.impl("skinny_linear", &skinny_linear_library);
+  m.impl("block_conv", &block_conv_unfused);
+}

@@ -29,7 +29,7 @@ except ImportError as e:  # most often a torch other than the one the extension 
 from . import hardware, ops, reference  # noqa: E402
 
 _C._cpu_isa()  # reads DFLASH_CPU_ISA now: a bad value is an error at import, not at a call
-from .ops import block_attention, inject_context_kv, project_features, skinny_linear  # noqa: E402
+from .ops import block_attention, block_conv, inject_context_kv, project_features, skinny_linear  # noqa: E402
 
 
 def info() -> dict:
@@ -41,4 +41,5 @@ def info() -> dict:
     return _info()
 
 
-__all__ = ["ops", "reference", "project_features", "inject_context_kv", "block_attention", "skinny_linear", "info"]
+__all__ = ["ops", "reference", "project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv",
+           "info"]

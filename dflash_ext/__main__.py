@@ -614,6 +614,13 @@ def main(argv=None):
     t.add_argument("--loss-vocab", type=nonnegative_int, default=None,
                    help="softmax of the loss over the K most frequent response tokens, recorded as the "
                         "checkpoint's draft vocabulary (0 = all)")
+    t.add_argument("--dflash2", action="store_const", const=True, default=None,
+                   help="train DFlash2 (docs/dflash2.md): a DFlash (v1) --init starts as a DFlash2 drafter "
+                        "that drafts exactly as it does (identity convolutions, no transition term)")
+    t.add_argument("--selector-rank", type=positive_int, default=None, help="DFlash2 selector rank R (default 256)")
+    t.add_argument("--selector-top-k", type=int_from_2, default=None, help="DFlash2 candidates per slot K (default 16)")
+    t.add_argument("--selector-alpha", type=nonnegative_float, default=None,
+                   help="weight of DFlash2's selector loss (default 1; 0 leaves the selector untrained)")
     t.add_argument("--eval-stride", type=positive_int, default=None, help="held-out anchors every N response positions")
     t.add_argument("--log-every", type=positive_int, default=None)
     t.add_argument("--device", type=torch_device, default="cpu")

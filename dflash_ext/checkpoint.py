@@ -4,7 +4,11 @@
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
 ``layers.{i}.{input,post_attention}_layernorm.weight``, ``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight`` (the embedding and LM head are the target's),
-plus two optional files of ours beside them. Resolving a path or hub id, reading and
+plus two optional files of ours beside them. A DFlash2 checkpoint (``DFlash2DraftModel``)
+also has ``layers.{i}.{attention,mlp}_conv.base_kernel`` [2, T, H] and
+``layers.{i}.{attention,mlp}_conv.kernel_projection.weight`` [2*T*G, H],
+``candidate_selector.hidden_projection.weight`` [R, H] and the raw (no ``.weight``)
+``candidate_selector.{predecessor,successor}_codebook`` [V, R]. Resolving a path or hub id, reading and
 writing: the module that builds the drafter from them is :mod:`dflash_ext.drafter`.
 """
 import contextlib

@@ -3,14 +3,16 @@ reference format (z-lab/dflash ``DFlashDraftModel``: a Qwen3 config plus ``block
 ``num_target_layers`` and ``dflash_config``) means here, which layers attend causally
 (:attr:`DFlashConfig.layer_causal`: the rule SGLang, vLLM, TensorRT-LLM and the authors'
 code share), and which fields are rejected because they change the drafted function in
-some implementation and are not implemented.
+some implementation and are not implemented. DFlash2 checkpoints (``architectures:
+["DFlash2DraftModel"]``) add the block convolution and candidate selector fields
+(:data:`DFLASH2_FIELDS`); docs/checkpoints.md, "DFlash2".
 """
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "target_text_config",
-           "SUPPORTED_ROPE_TYPES"]
+           "SUPPORTED_ROPE_TYPES", "DFLASH2_ARCHITECTURE", "DFLASH2_FIELDS"]
 
 
 def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
@@ -47,6 +49,13 @@ _FIXED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias"
                  "swa_window_size": (None,), "is_neox_style": (None, True), "rope_is_neox_style": (None, True),
                  "use_aux_hidden_state": (None, True), "logit_scale": (None, 1, 1.0)}
 _DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size", "is_causal", "causal"}
+# DFlash2 (second generation): this architecture name switches on the block convolution and
+# the candidate selector, as in SGLang and vLLM. Their four required fields, read from
+# dflash_config first, then the top level (the authors' code reads both); the logit transform
+# fields are DFlash2's only (a v1 drafter keeps them at their neutral values, _FIXED_VALUES).
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DFLASH2_LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
 # Where a checkpoint says that every layer is causal (true) or bidirectional (false), first
 # found wins: top-level is_causal (the authors' model.py, SGLang, vLLM), dflash_config.is_causal
 # (some checkpoints; vLLM ports), dflash_config.causal (vLLM `_dflash_layer_causal`).
@@ -89,6 +98,13 @@ _FIELD_RULES = {
                          f"a list of {' or '.join(LAYER_TYPES)}"),
     **{k: _Rule((bool, type(None)), lambda v: True, "true, false or None (null)") for k in ("is_causal", "causal")},
 }
+# DFlash2's fields: checked in a DFlash2 config only (a v1 config rejects them before, _reject_unsupported).
+_DFLASH2_RULES = {
+    **{k: _POSITIVE_INT for k in DFLASH2_FIELDS},
+    "output_multiplier": _Rule(_NUMBER, _finite_positive, "a finite number > 0"),
+    "final_logit_softcapping": _Rule(_NUMBER + (type(None),), lambda v: v is None or _finite_positive(v),
+                                     "a finite number > 0 or null"),
+}
 
 
 def _check_field(label: str, value, rule: "_Rule") -> None:
@@ -97,13 +113,13 @@ def _check_field(label: str, value, rule: "_Rule") -> None:
         raise ValueError(f"{label} must be {rule.need}, got {value!r}")
 
 
-def _check_json_fields(d: dict, dflash: dict) -> None:
+def _check_json_fields(d: dict, dflash: dict, rules: dict = _FIELD_RULES) -> None:
     """Every value of config.json (and its dflash_config) that has a rule, checked as written,
     before anything converts it."""
     for prefix, src in (("", d), ("dflash_config.", dflash)):
         for key, value in src.items():
-            if key in _FIELD_RULES:
-                _check_field(prefix + key, value, _FIELD_RULES[key])
+            if key in rules:
+                _check_field(prefix + key, value, rules[key])
 
 
 try:  # what transformers 5.x's strict config dataclasses raise on a wrongly typed field
@@ -144,6 +160,16 @@ class DFlashConfig:
     draft_vocab_size: Optional[int] = None  # tokens of the draft vocabulary (None: the whole vocabulary)
     # Every layer causal (True) or bidirectional (False); None: by layer type (layer_causal).
     causal: Optional[bool] = None
+    # DFlash2 (all four set, or none: a v1 drafter): taps T of the block convolution, channels
+    # per dynamic coefficient (divides hidden_size), the selector's rank R and candidates per slot K.
+    conv_kernel_size: Optional[int] = None
+    conv_group_size: Optional[int] = None
+    selector_rank: Optional[int] = None
+    selector_top_k: Optional[int] = None
+    # DFlash2's transform of the LM head's logits before the selector: u = logits * multiplier,
+    # then cap * tanh(u / cap) when a cap is set. A v1 drafter keeps 1 and None.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
         for f in fields(self):  # each value's type and range (_FIELD_RULES); None where it is the default
@@ -167,19 +193,13 @@ class DFlashConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"dflash_config.draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
+        self._check_dflash2()
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
                 * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise ValueError(f"layer_types must name full_attention or sliding_attention for each of the "
                              f"{self.num_hidden_layers} layers, got {self.layer_types}")
-        if any(w and not c for w, c in zip(self.layer_windows, self.layer_causal)):
-            # The authors' code and TensorRT-LLM give each query of such a layer a symmetric
-            # window (|p - k| < W); block_attention has the causal and the context-truncating
-            # windows only, so this would silently draft another function.
-            raise ValueError(f"a bidirectional sliding-window layer (is_causal false with sliding_attention "
-                             f"layers and sliding_window={self.sliding_window}) is not supported: its symmetric "
-                             f"per-query window is not implemented")
         hf = self.hf_config()  # validates the rope parameters as transformers does
         self.rope_parameters = dict(hf.rope_parameters)
         _check_field("rope_theta", self.rope_parameters.get("rope_theta"), _FIELD_RULES["rope_theta"])
@@ -188,6 +208,41 @@ class DFlashConfig:
             raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
         if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported (the fused ops rotate the whole head)")
+
+    def _check_dflash2(self) -> None:
+        """DFlash2's fields: all or none of DFLASH2_FIELDS, each in range and fitting the
+        other fields; the logit transform only with them."""
+        given = [getattr(self, k) is not None for k in DFLASH2_FIELDS]
+        if any(given) and not all(given):
+            missing = [k for k, g in zip(DFLASH2_FIELDS, given) if not g]
+            raise ValueError(f"a DFlash2 drafter needs dflash_config.{', dflash_config.'.join(missing)}")
+        if not self.is_dflash2:
+            if self.output_multiplier != 1 or self.final_logit_softcapping is not None:
+                raise ValueError("output_multiplier and final_logit_softcapping are DFlash2 fields "
+                                 f"({DFLASH2_ARCHITECTURE}); a DFlash drafter keeps 1 and None")
+            return
+        for key, rule in _DFLASH2_RULES.items():
+            _check_field(f"dflash_config.{key}", getattr(self, key), rule)
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"dflash_config.conv_group_size={self.conv_group_size} must divide "
+                             f"hidden_size={self.hidden_size}")
+        if self.conv_kernel_size > self.block_size:  # SpecForge's rule: a tap past the block reads nothing
+            raise ValueError(f"dflash_config.conv_kernel_size={self.conv_kernel_size} must be <= "
+                             f"block_size={self.block_size}")
+        candidates = self.draft_vocab_size or self.vocab_size
+        if self.selector_top_k > candidates:
+            which = "draft_vocab_size" if self.draft_vocab_size else "vocab_size"
+            raise ValueError(f"dflash_config.selector_top_k={self.selector_top_k} must be <= {which}={candidates}")
+
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash2 drafter (block convolution and candidate selector)."""
+        return self.conv_kernel_size is not None
+
+    @property
+    def conv_groups(self) -> int:
+        """G: channel groups of the block convolution's dynamic coefficients."""
+        return self.hidden_size // self.conv_group_size
 
     def hf_config(self):
         return _qwen3_config(
@@ -216,11 +271,17 @@ class DFlashConfig:
         else a sliding_attention layer is causal and a full_attention layer bidirectional.
         Causal: the query at position p sees the keys at positions p - W < k <= p (W its
         window, 0 = no bound) over the context followed by the block; bidirectional: the
-        whole context and block (a windowed bidirectional layer is rejected at load;
-        draft_window alone caps it, to the last W context rows)."""
+        whole context and block, or with a window (a sliding layer of a bidirectional
+        config, as DFlash2's published ones) the keys at |p - k| < W, as the authors' code
+        and TensorRT-LLM give it (drafter.windowed_bidirectional_attention)."""
         if self.causal is not None:
             return [self.causal] * self.num_hidden_layers
         return [t == "sliding_attention" for t in self.layer_types]
+
+    @property
+    def layer_symmetric_window(self) -> List[bool]:
+        """Per layer: whether it is bidirectional with a window (|p - k| < W per query)."""
+        return [bool(w) and not c for w, c in zip(self.layer_windows, self.layer_causal)]
 
     @property
     def rope_position_limit(self) -> Optional[int]:
@@ -240,7 +301,7 @@ class DFlashConfig:
         # Sliding layers without a window are still causal (layer_causal): their types are saved too.
         typed = "sliding_attention" in self.layer_types
         d = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [DFLASH2_ARCHITECTURE if self.is_dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -269,6 +330,11 @@ class DFlashConfig:
             d["layer_types"] = list(self.layer_types)
         if self.causal is not None:
             d["is_causal"] = self.causal  # the field every engine reads first
+        if self.is_dflash2:
+            d["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS},
+                                      output_multiplier=self.output_multiplier)
+            if self.final_logit_softcapping is not None:
+                d["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
         return d
 
     @classmethod
@@ -292,12 +358,22 @@ class DFlashConfig:
         dflash = need(d, "dflash_config")
         if type(dflash) is not dict:
             raise ValueError(f"dflash_config must be a JSON object, got {dflash!r}")
-        _reject_unsupported(d, dflash)
+        dflash2 = d.get("architectures") == [DFLASH2_ARCHITECTURE]
+        _reject_unsupported(d, dflash, dflash2)
         for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
                     "num_target_layers"):
             need(d, key)
         need(dflash, "mask_token_id", "dflash_config.")
-        _check_json_fields(d, dflash)
+        _check_json_fields(d, dflash, {**_FIELD_RULES, **_DFLASH2_RULES} if dflash2 else _FIELD_RULES)
+        v2 = {}
+        if dflash2:  # dflash_config first, then the top level (the authors' code)
+            for key in DFLASH2_FIELDS:
+                v2[key] = dflash[key] if key in dflash else need(d, key, "dflash_config.")
+            for key in _DFLASH2_LOGIT_FIELDS:
+                if key in dflash or key in d:
+                    v2[key] = dflash.get(key, d.get(key))
+            if v2.get("output_multiplier") is None:
+                v2["output_multiplier"] = 1.0
         qwen3 = {k: d[k] for k in _QWEN3_KEYS if k in d}
         if "rms_norm_eps" in qwen3:
             qwen3["rms_norm_eps"] = float(qwen3["rms_norm_eps"])  # transformers' field takes a float only
@@ -315,7 +391,7 @@ class DFlashConfig:
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
-            layer_types=list(hf.layer_types), causal=_explicit_causal(d, dflash),
+            layer_types=list(hf.layer_types), causal=_explicit_causal(d, dflash), **v2,
         )
 
     @classmethod
@@ -384,18 +460,21 @@ def _drafter_heads(t):
     return q_heads, math.gcd(q_heads, min(kv * D // d, DRAFT_MAX_KV_HEADS)), d
 
 
-def _reject_unsupported(d: dict, dflash: dict) -> None:
+def _reject_unsupported(d: dict, dflash: dict, dflash2: bool = False) -> None:
     """A config field that changes the drafted function and is not implemented here is an
-    error at load, never silently ignored."""
+    error at load, never silently ignored. `dflash2`: a DFlash2 config, which also has
+    DFLASH2_FIELDS and free logit transform fields (_DFLASH2_RULES checks them)."""
     problems = []
-    known = set(_QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES)
+    fixed = {k: v for k, v in _FIXED_VALUES.items() if not (dflash2 and k in _DFLASH2_LOGIT_FIELDS)}
+    v2_keys = set(DFLASH2_FIELDS) if dflash2 else set()
+    known = set(_QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES) | v2_keys
     unknown = sorted(k for k in d if k not in known)
     if unknown:
         problems.append(f"unsupported fields {unknown}")
-    unknown_inner = sorted(k for k in dflash if k not in _DFLASH_INNER_KEYS | set(_FIXED_VALUES))
+    unknown_inner = sorted(k for k in dflash if k not in _DFLASH_INNER_KEYS | set(_FIXED_VALUES) | v2_keys)
     if unknown_inner:
         problems.append(f"unsupported dflash_config fields {unknown_inner}")
-    for key, allowed in _FIXED_VALUES.items():
+    for key, allowed in fixed.items():
         for where, src in (("", d), ("dflash_config.", dflash)):
             if key in src and src[key] not in allowed:
                 problems.append(f"{where}{key}={src[key]!r} (supported: {[a for a in allowed if a is not None]})")

@@ -10,6 +10,13 @@ At temperature 0 the target's token is its argmax; at T > 0 it is sampled from t
 target's (temperature / top-k / top-p processed) distribution and a draft token is
 accepted only when it equals that sample (sample-and-match), so every emitted token is
 a sample of the target itself: the output distribution is exactly the target's.
+
+The verify never reads how the drafts were chosen, so this holds for any proposal: a
+DFlash2 drafter's candidate-selector path (greedy, proposer.draft_tokens) included, at
+T = 0 and T > 0. The serving engines do more at T > 0 for DFlash2: they sample the path
+from softmax(scores / T) over each slot's top-K candidates and verify with rejection
+sampling against that q (accept with min(1, p/q), else resample from the residual), which
+accepts more often than matching a greedy draft; that is not implemented here.
 """
 import time
 from dataclasses import dataclass, field

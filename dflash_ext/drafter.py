@@ -5,7 +5,13 @@ bidirectional or causal by :attr:`~dflash_ext.config.DFlashConfig.layer_causal`.
 Here: the layers, the context cache (:class:`DraftCache`), the draft step over the
 fused ops (inference) and the differentiable forward over many blocks (training). The
 config is :mod:`dflash_ext.config`; checkpoint files are :mod:`dflash_ext.checkpoint`.
+
+DFlash2 (``config.is_dflash2``) adds to each layer a block convolution on both sides of its
+attention and its MLP (:class:`BlockConv`) and, after the LM head, a candidate selector that
+re-ranks each slot's top-K tokens along a path from the anchor (:class:`CandidateSelector`);
+:meth:`DFlashDrafter.dflash2_from` starts one from a v1 drafter, drafting as it does.
 """
+import copy
 import os
 from typing import List, Optional, Sequence
 
@@ -17,8 +23,8 @@ from . import ops, reference
 from .checkpoint import DRAFT_VOCAB_NAME, read_checkpoint, torch_dtype, write_checkpoint
 from .config import DFlashConfig, target_text_config
 
-__all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "effective_windows", "context_mask", "block_mask"]
-
+__all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "BlockConv", "CandidateSelector", "effective_windows",
+           "context_mask", "block_mask", "windowed_bidirectional_attention"]
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -53,6 +59,104 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BlockConv(nn.Module):
+    """DFlash2's grouped dynamic convolution along each block around one sublayer: on its
+    input (side 0) and its output (side 1), with the coefficients ``base_kernel[side, t, c]
+    + delta[slot, side, t, c // conv_group_size]``, where the deltas of both sides come from
+    one ``kernel_projection`` of the normalised sublayer input (rows side-major, then tap,
+    then group). Only the block's own tokens pass through it, never the context."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.taps, self.groups = c.conv_kernel_size, c.conv_groups
+        self.base_kernel = nn.Parameter(torch.empty(2, self.taps, c.hidden_size))
+        self.kernel_projection = nn.Linear(c.hidden_size, 2 * self.taps * self.groups, bias=False)
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        """The identity: tap 0 = 1 on both sides, every other coefficient 0 (out = x exactly)."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1
+            self.kernel_projection.weight.zero_()
+
+    def deltas(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., B, 2, T, G] per-slot coefficient deltas from the normalised sublayer input [..., B, H]."""
+        return self.kernel_projection(normed).unflatten(-1, (2, self.taps, self.groups))
+
+    def forward(self, x: torch.Tensor, deltas: torch.Tensor, side: int, block_conv=reference.block_conv) -> torch.Tensor:
+        """x [..., B, H] (blocks of B slots) convolved on `side` (0 input, 1 output) by
+        `block_conv` (ops.block_conv in the draft step, the differentiable reference in training)."""
+        B, H = x.shape[-2:]
+        out = block_conv(x.reshape(-1, B, H), self.base_kernel[side],
+                         deltas[..., side, :, :].reshape(-1, B, self.taps, self.groups))
+        return out.view(x.shape)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's draft: each slot's top-K tokens under the transformed LM-head logits u
+    (``u = logits * output_multiplier``, soft-capped ``cap * tanh(u / cap)``), scored
+    ``S_j(a -> b) = u_j(b) + <predecessor_codebook[a] * hidden_projection(h_j),
+    successor_codebook[b]>``, and one greedy path from the anchor token: slot j takes the
+    best-scored candidate after the token chosen at slot j - 1 (the first maximum on a tie),
+    as SGLang's and vLLM's walk. Codebooks are indexed by target token id."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(c.vocab_size, c.selector_rank))
+        self.config = c
+        self.reset_identity()
+
+    def reset_identity(self, std: float = 0.02) -> None:
+        """No transition term (successor codebook 0): the path is each slot's argmax. The
+        other two are random, as SpecForge initialises them (they matter once training moves
+        the successor codebook)."""
+        with torch.no_grad():
+            nn.init.normal_(self.predecessor_codebook, std=std)
+            nn.init.normal_(self.hidden_projection.weight, std=std)
+            self.successor_codebook.zero_()
+
+    def unary(self, logits: torch.Tensor) -> torch.Tensor:
+        """The transformed logits, in fp32."""
+        c = self.config
+        u = logits.float() * c.output_multiplier
+        cap = c.final_logit_softcapping
+        return u if cap is None else cap * torch.tanh(u / cap)
+
+    def top_candidates(self, logits: torch.Tensor, vocab: Optional[torch.Tensor] = None):
+        """(unary [..., K] fp32, token ids [..., K]): each slot's top-K of the transformed
+        `logits` [..., V'] (rows of the draft vocabulary when `vocab` maps them to token ids)."""
+        unary, idx = self.unary(logits).topk(self.config.selector_top_k, dim=-1)
+        return unary, (idx if vocab is None else vocab[idx])
+
+    def gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., R] fp32: the per-slot gate on the rank dimension."""
+        return self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
+
+    def scores(self, gate: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+               previous: torch.Tensor) -> torch.Tensor:
+        """[..., K]: each candidate's score after the token `previous` [...] at the slot before."""
+        query = self.predecessor_codebook[previous].float() * gate  # [..., R]
+        return unary + torch.einsum("...r,...kr->...k", query, self.successor_codebook[candidates].float())
+
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+                vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Draft tokens [Bsz, n] from the final-normed hidden states of the n prediction slots
+        ``hidden [Bsz, n, H]``, their LM-head ``logits [Bsz, n, V']`` (V' the draft vocabulary
+        when `vocab` maps its rows to token ids) and the anchor tokens [Bsz]. Plain torch
+        ops, no host reads: a CUDA graph captures it."""
+        unary, candidates = self.top_candidates(logits, vocab)  # [Bsz, n, K]
+        gate = self.gate(hidden)  # [Bsz, n, R]
+        previous, path = anchor, []
+        for j in range(candidates.shape[1]):
+            score = self.scores(gate[:, j], unary[:, j], candidates[:, j], previous)
+            previous = candidates[:, j].gather(-1, score.argmax(-1, keepdim=True))[:, 0]
+            path.append(previous)
+        return torch.stack(path, 1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
@@ -61,21 +165,35 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        if c.is_dflash2:
+            self.attention_conv = BlockConv(c)
+            self.mlp_conv = BlockConv(c)
 
-    def forward(self, x, cos, sin, attend):
-        """One decoder layer over block tokens ``x [..., H]`` at RoPE ``cos/sin`` (broadcast
+    def forward(self, x, cos, sin, attend, block_conv=reference.block_conv):
+        """One decoder layer over blocks of tokens ``x [..., B, H]`` at RoPE ``cos/sin`` (broadcast
         over heads). ``attend(q [..., Hq, D], k, v [..., Hkv, D])`` returns ``[..., Hq, D]``:
         the attention over the layer's context plus these block keys (inference and
-        training supply it differently; everything else is the same code)."""
+        training supply it differently; everything else is the same code). DFlash2 wraps
+        the attention and the MLP in their block convolutions (`block_conv`: the op or its
+        reference), inside the residual branch."""
         Hq, Hkv, D = self.heads
         lead = x.shape[:-1]
         a = self.self_attn
+        conv = getattr(self, "attention_conv", None)
         h = self.input_layernorm(x)
+        if conv is not None:
+            deltas = conv.deltas(h)
+            h = conv(h, deltas, 0, block_conv)
         q = reference.apply_rope(a.q_norm(a.q_proj(h).view(*lead, Hq, D)), cos, sin)
         k = reference.apply_rope(a.k_norm(a.k_proj(h).view(*lead, Hkv, D)), cos, sin)
         v = a.v_proj(h).view(*lead, Hkv, D)
-        x = x + a.o_proj(attend(q, k, v).reshape(*lead, Hq * D))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y = a.o_proj(attend(q, k, v).reshape(*lead, Hq * D))
+        x = x + (y if conv is None else conv(y, deltas, 1, block_conv))
+        h = self.post_attention_layernorm(x)
+        if conv is None:
+            return x + self.mlp(h)
+        deltas = self.mlp_conv.deltas(h)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(h, deltas, 0, block_conv)), deltas, 1, block_conv)
 
 
 def effective_windows(config: DFlashConfig, draft_window: Optional[int] = None) -> List[int]:
@@ -187,6 +305,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.is_dflash2:
+            self.candidate_selector = CandidateSelector(c)
         self._stacked = None
         self._rope = None
         self._vocab_head = None
@@ -207,6 +327,32 @@ class DFlashDrafter(nn.Module):
         drafter = cls(config)
         drafter.apply(_init_weights)
         return drafter
+
+    @classmethod
+    def dflash2_from(cls, drafter: "DFlashDrafter", conv_kernel_size: int = 2, conv_group_size: int = 16,
+                     selector_rank: int = 256, selector_top_k: int = 16, seed: Optional[int] = 0) -> "DFlashDrafter":
+        """A DFlash2 drafter that drafts exactly the blocks the DFlash (v1) `drafter` drafts:
+        its weights, identity block convolutions (tap 0 = 1 on both sides, zero projections)
+        and a selector without transition term (zero successor codebook; the predecessor
+        codebook and hidden projection random, from `seed`), no logit transform: the exact
+        starting point for training DFlash2 from a v1 checkpoint. (Only ties between a slot's
+        best logits may resolve differently: top-K against a full argmax.)"""
+        if drafter.config.is_dflash2:
+            raise ValueError("dflash2_from needs a DFlash (v1) drafter; this one is DFlash2 already")
+        config = copy.deepcopy(drafter.config)
+        for key, value in dict(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                               selector_rank=selector_rank, selector_top_k=selector_top_k).items():
+            setattr(config, key, value)
+        config.__post_init__()
+        if seed is not None:
+            torch.manual_seed(seed)
+        p = drafter.fc.weight
+        new = cls(config).to(device=p.device, dtype=p.dtype)
+        missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+        assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
+        new.draft_vocab = drafter.draft_vocab
+        new.acceptance_profile = drafter.acceptance_profile
+        return new
 
     @classmethod
     def from_pretrained(cls, path: str, device=None, dtype=None, cache_dir: Optional[str] = None,
@@ -267,6 +413,9 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"draft vocabulary token_ids must be sorted, unique ids in [0, {V}), got "
                              f"{ids.numel()} ids from {ids.min().item() if ids.numel() else None} to "
                              f"{ids.max().item() if ids.numel() else None}")
+        if self.config.is_dflash2 and ids.numel() < self.config.selector_top_k:
+            raise ValueError(f"a draft vocabulary of {ids.numel()} tokens is smaller than the DFlash2 selector's "
+                             f"selector_top_k={self.config.selector_top_k} candidates per slot")
         self.draft_vocab, self.config.draft_vocab_size = ids, ids.numel()
 
     def add_layers(self, n: int) -> None:
@@ -393,14 +542,22 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
         attention = ops.block_attention if fused else reference.block_attention
+        block_conv = ops.block_conv if fused else reference.block_conv
         fused_args = dict(max_context=-1 if validate else cache.capacity, validate=validate) if fused else {}
         offsets, lens = cache.offsets, cache.lens
         scale = self.config.head_dim ** -0.5
+        symmetric = self.config.layer_symmetric_window
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lambda q, k, v: attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
-                                                             window=cache.windows[i], causal=cache.causal[i],
-                                                             **fused_args))
+            if symmetric[i]:  # not fused yet (the op has no symmetric window): plain torch, both paths
+                def attend(q, k, v, i=i):
+                    return windowed_bidirectional_attention(q, k, v, cache.k[i], cache.v[i], cache.capacity, lens,
+                                                            scale, cache.windows[i])
+            else:
+                def attend(q, k, v, i=i):
+                    return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale, window=cache.windows[i],
+                                     causal=cache.causal[i], **fused_args)
+            x = layer(x, cos, sin, attend, block_conv)
         return self.norm(x)
 
     def draft_vocab_head(self, lm_head: nn.Module):
@@ -444,8 +601,9 @@ class DFlashDrafter(nn.Module):
         # the keys each query may not see, per (window, causal): context [nb, 1 or B, S], own block [B, B] (None: all)
         hidden_keys = {}
         for w, causal in set(kinds):
-            hidden_keys[w, causal] = (~context_mask(anchors, S, w, B if causal else 0),
-                                      ~block_mask(B, w, anchors.device) if causal else None)
+            symmetric = w > 0 and not causal  # |p - k| < w: per query on the context, both ways in the block
+            hidden_keys[w, causal] = (~context_mask(anchors, S, w, B if causal or symmetric else 0),
+                                      ~block_mask(B, w, anchors.device, causal) if causal or symmetric else None)
         x = block_embeds
         for layer, kind in zip(self.layers, kinds):
             a = layer.self_attn
@@ -489,18 +647,49 @@ def context_mask(anchors: torch.Tensor, seq_len: int, window: int = 0, causal_bl
     return ctx
 
 
-def block_mask(block_size: int, window: int = 0, device=None) -> torch.Tensor:
+def block_mask(block_size: int, window: int = 0, device=None, causal: bool = True) -> torch.Tensor:
     """Boolean mask [B, B] (True = attend) of the block rows a causal layer's block queries
     see: query i sees rows j <= i with i - j < window (window = 0: no bound). A
-    bidirectional layer sees the whole block."""
+    bidirectional layer sees the whole block; with a window (causal False) the rows
+    |i - j| < window."""
     i = torch.arange(block_size, device=device)[:, None]
     j = torch.arange(block_size, device=device)[None, :]
-    own = j <= i
+    own = j <= i if causal else torch.ones(block_size, block_size, dtype=torch.bool, device=device)
     if window > 0:
-        own &= i - j < window
+        own &= (i - j).abs() < window
     return own
 
 
+def windowed_bidirectional_attention(q, k_block, v_block, k_cache, v_cache, capacity: int, cache_lens,
+                                     scale: float, window: int) -> torch.Tensor:
+    """Attention of a bidirectional layer with a window, as the authors' code and TensorRT-LLM
+    define it: the query at position p sees the keys at |p - k| < window, over the context rows
+    (row r at position r, n = cache_lens[b] of them) and the block (query and key i at n + i).
+    q [Bsz, B, Hq, D], block K/V [Bsz, B, Hkv, D], the cache [Bsz * capacity, Hkv, D]
+    (sequence b at rows b * capacity). Plain torch over every row of the capacity under a
+    mask, without host reads (a CUDA graph captures it); softmax in fp32."""
+    Bsz, B, Hq, D = q.shape
+    Hkv = k_block.shape[2]
+    group = Hq // Hkv
+    rows = torch.arange(capacity, device=q.device)
+    query_pos = cache_lens[:, None] + torch.arange(B, device=q.device)  # [Bsz, B]
+    on_ctx = (rows < cache_lens[:, None, None]) & (query_pos[:, :, None] - rows < window)  # [Bsz, B, capacity]
+    on_own = block_mask(B, window, q.device, causal=False)
+    k_ctx = k_cache[:Bsz * capacity].view(Bsz, capacity, Hkv, D)
+    v_ctx = v_cache[:Bsz * capacity].view(Bsz, capacity, Hkv, D)
+    qf = q.float().view(Bsz, B, Hkv, group, D) * scale
+    s_ctx = torch.einsum("bihgd,brhd->bhgir", qf, k_ctx.float()).masked_fill(~on_ctx[:, None, None], float("-inf"))
+    s_own = torch.einsum("bihgd,bjhd->bhgij", qf, k_block.float()).masked_fill(~on_own, float("-inf"))
+    p = torch.cat([s_ctx, s_own], -1).softmax(-1)
+    o = (torch.einsum("bhgir,brhd->bihgd", p[..., :capacity], v_ctx.float())
+         + torch.einsum("bhgij,bjhd->bihgd", p[..., capacity:], v_block.float()))
+    return o.reshape(Bsz, B, Hq, D).to(q.dtype)
+
+
 def _init_weights(module: nn.Module) -> None:
+    """Linear layers random; DFlash2's parts at their identity (Module.apply visits a module
+    after its children, so this overrides their projections' random init)."""
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
+    elif isinstance(module, (BlockConv, CandidateSelector)):
+        module.reset_identity()

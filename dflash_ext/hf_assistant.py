@@ -16,6 +16,10 @@ ops), the block is drafted against them (``draft_hidden``) and never stored, so 
 transformers applies to its own cache has nothing to undo here. A call whose context
 starts at position 0 is a new generation and starts a new cache. It needs no weights but
 the drafter's: embeddings and LM head are the target's, as transformers passes them.
+
+A DFlash2 drafter cannot be an assistant: transformers applies the LM head to the hidden
+states returned here and drafts each slot's argmax, so the candidate selector's path (the
+DFlash2 draft) has no way through; :class:`DFlashAssistant` says so (spec_generate drafts it).
 """
 import sys
 from dataclasses import replace
@@ -50,6 +54,11 @@ class DFlashAssistant:
     :class:`~dflash_ext.drafter.DFlashDrafter` and the fused ops."""
 
     def __init__(self, drafter, fused: bool = True, draft_window: Optional[int] = None):
+        if drafter.config.is_dflash2:
+            raise NotImplementedError("as_assistant does not support DFlash2 drafters (DFlash2DraftModel): "
+                                      "transformers' DFlash generate drafts the LM head's argmax over the returned "
+                                      "hidden states, not the DFlash2 candidate selector's path; use "
+                                      "dflash_ext.spec_generate")
         _check_transformers()
         self.drafter, self.fused, self.draft_window = drafter, fused, draft_window
         c = drafter.config

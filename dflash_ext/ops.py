@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear"]
+__all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv"]
 
 _ops = torch.ops.dflash_ext
 
@@ -114,6 +114,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """DFlash2's block convolution: a dynamic depthwise convolution along each block that
+    looks back only and never across a block boundary.
+
+    x ``[M, B, H]`` (M blocks of B slots); base ``[T, H]`` (a static coefficient per tap and
+    channel); delta ``[M, B, T, G]`` (a coefficient per slot, tap and channel group; G divides
+    H, channel c is in group ``c // (H // G)``). Returns ``[M, B, H]`` in x's dtype:
+    ``out[m, i, c] = sum_t (base[t, c] + delta[m, i, t, c // (H // G)]) * x[m, i - t, c]``
+    over the taps ``t <= i``, accumulated in fp32. The CPU kernel is fused (one pass over x);
+    not fused on CUDA yet: there the op runs dflash_ext.reference.block_conv's math in torch ops.
+    """
+    _inference_only("block_conv", x, base, delta)
+    return _ops.block_conv(x, base, delta)
+
+
 def _check_one_device(**tensors):
     """Fake kernels also run when only some inputs are on the meta device; the compiled
     checks never see that case, so the device rule is enforced here too."""
@@ -153,3 +168,10 @@ def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, 
 def _skinny_linear_fake(x, weight, bias=None):
     _check_one_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+
+@torch.library.register_fake("dflash_ext::block_conv")
+def _block_conv_fake(x, base, delta):
+    _check_one_device(x=x, base=base, delta=delta)
+    return x.new_empty(x.shape)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .drafter import DFlashDrafter, DraftCache
+from .drafter import CandidateSelector, DFlashDrafter, DraftCache
 from .hardware import skinny_linear_streams
 
 __all__ = ["DFlashProposer", "draft_tokens", "capture_cuda_graph", "block_embedding"]
@@ -34,12 +34,14 @@ def block_embedding(target) -> nn.Module:
 
 
 def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 vocab: Optional[torch.Tensor] = None, n: Optional[int] = None) -> torch.Tensor:
+                 vocab: Optional[torch.Tensor] = None, n: Optional[int] = None,
+                 selector: Optional[CandidateSelector] = None, anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Greedy draft tokens [Bsz, n] from the drafter's final hidden states [Bsz, B, H]: the
     argmax of the LM head (`weight`, `bias`) at slots 1..n (default n = B - 1; slot 0 is the
     last accepted token). Only those n rows go through the LM head, the step's largest
     GEMM. With a draft vocabulary, `weight` holds the rows of those token ids only and
-    `vocab` maps back."""
+    `vocab` maps back. A DFlash2 drafter's `selector` drafts its path from the `anchor`
+    tokens [Bsz] (the block's slot 0) over these logits instead of the argmax."""
     Bsz, B, H = hidden.shape
     n = B - 1 if n is None else n
     rows = hidden[:, 1:n + 1].reshape(Bsz * n, H)
@@ -50,6 +52,8 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         if pad:
             rows = F.pad(rows, (0, 0, 0, pad))
         logits = F.linear(rows, weight, bias)[:Bsz * n].view(Bsz, n, -1)
+    if selector is not None:
+        return selector(hidden[:, 1:n + 1], logits, anchor, vocab)
     best = logits.argmax(-1)
     return best if vocab is None else vocab[best]
 
@@ -87,7 +91,7 @@ class DFlashProposer:
     cache, so the fused ops run with ``validate=False`` (their kernels guard every index),
     the cache lengths live in a device tensor updated in place, and the RoPE tables cover
     every reachable position from the start. So the whole step (block embedding, N
-    layers, final norm, LM head, argmax) is captured in a CUDA graph per block size and
+    layers, final norm, LM head, argmax or DFlash2's selector) is captured in a CUDA graph per block size and
     replayed (``cuda_graph``, default: on for a CUDA drafter with the fused ops). The
     injection after a verify runs eagerly (its token count varies), without a sync.
     On CPU nothing of this applies: the ops validate and run eagerly.
@@ -180,7 +184,9 @@ class DFlashProposer:
             head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         else:
             head = self.vocab_head, self.vocab_bias
-        return draft_tokens(hidden.to(head[0].dtype), *head, vocab=self.vocab, n=n)[0]
+        selector = getattr(self.drafter, "candidate_selector", None)  # DFlash2
+        return draft_tokens(hidden.to(head[0].dtype), *head, vocab=self.vocab, n=n, selector=selector,
+                            anchor=ids[:, 0])[0]
 
 
 def capture_cuda_graph(fn: Callable[[], torch.Tensor]):

@@ -119,6 +119,17 @@ inline std::pair<Vec, Vec> load_float_pair(const T* b) {
   }
 }
 
+// dst[0, 2 * Vec::size()) = T(lo, hi): the inverse of load_float_pair.
+template <typename T>
+inline void store_float_pair(const Vec& lo, const Vec& hi, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(dst);
+    hi.store(dst + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(lo, hi).store(dst);
+  }
+}
+
 // C[m, n] = sum_k A[m, k] * float(B[n, k]) + beta * C[m, n] for a few rows of A: one
 // pass over B with the conversion fused into the dot products (weight streaming).
 template <int64_t M, typename T>

@@ -75,6 +75,10 @@ class TrainConfig:
     loss_vocab: int = 0         # softmax of the loss over the K most frequent response tokens (0: all)
     extra_data: List[str] = field(default_factory=list)  # more gen-data folders: training only, never held out
     overwrite: bool = False     # replace whatever `out` holds (a saved run starts over)
+    dflash2: bool = False       # train DFlash2: a v1 drafter (init) starts as DFlashDrafter.dflash2_from of it
+    selector_rank: int = 256    # DFlash2's selector (a new one; a DFlash2 init keeps its own)
+    selector_top_k: int = 16
+    selector_alpha: float = 1.0  # weight of the selector's loss (SpecForge's dflash2_selector_loss_alpha)
 
 
 # What a resumed run may change: how long it goes on and how often it logs, evaluates and
@@ -151,15 +155,22 @@ class FrozenTargetParts(torch.nn.Module):
 
 def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
                   anchors: torch.Tensor, block_size: int, gamma: float, vocab: Optional["LossVocab"] = None,
-                  need_correct: bool = True):
+                  need_correct: bool = True, selector_alpha: float = 1.0):
     """Weighted cross-entropy of all blocks of one sequence: slot j predicts
     input_ids[anchor + j] with weight exp(-(j-1)/gamma); slot 0 and slots past the end
     have no loss. With `vocab`, the softmax runs over that token subset only (labels
     outside it get no loss). Returns (weighted loss sum, weight sum, correct [nb, B-1]
-    bool: the argmax over the vocabulary used is the label; None without `need_correct`): the caller
-    normalises by the weight sum of its whole batch."""
+    bool: the block inference would draft matches the labels there; None without
+    `need_correct`): the caller normalises by the weight sum of its whole batch.
+
+    DFlash2 (as SpecForge defines its loss): the cross-entropy runs on the selector's
+    transformed logits, plus `selector_alpha` times the selector's: at each slot whose label
+    is among the top-K candidates, a K-way cross-entropy of the candidates' scores after the
+    label of the slot before (teacher-forced; the anchor token at slot 1), with the same
+    weights, over the same denominator. Its drafts are the selector's greedy path."""
     B = block_size
-    config = getattr(drafter, "module", drafter).config  # unwrap DDP
+    core = getattr(drafter, "module", drafter)  # unwrap DDP
+    config = core.config
     block_ids = torch.full((anchors.numel(), B), config.mask_token_id, dtype=torch.long,
                            device=input_ids.device)
     block_ids[:, 0] = input_ids[anchors]
@@ -171,17 +182,35 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
     # weight expanded per block (measured: over a quarter of a CPU training step, bench/RESULTS.md §5)
     logits = F.linear(hidden.flatten(0, 1), frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
     logits = logits.view(*labels.shape, -1)
+    selector = core.candidate_selector if config.is_dflash2 else None
+    vocab_ids = None if vocab is None else vocab.ids
     correct = None
-    if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary
+    if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary, or the selector's path
         with torch.no_grad():
-            best = logits.argmax(-1)
-            correct = (best if vocab is None else vocab.ids[best]) == labels
+            if selector is not None:
+                drafts = selector(hidden, logits, block_ids[:, 0], vocab_ids)
+            else:
+                best = logits.argmax(-1)
+                drafts = best if vocab is None else vocab.ids[best]
+            correct = drafts == labels
+    token_labels = labels
     if vocab is not None:
         labels = vocab.remap(labels)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
-                         ignore_index=IGNORE)
     w = label_weights(labels, gamma)
-    return (ce * w.reshape(-1)).sum(), w.sum(), correct
+    unary = logits.float() if selector is None else selector.unary(logits)
+    ce = F.cross_entropy(unary.reshape(-1, unary.shape[-1]), labels.reshape(-1), reduction="none",
+                         ignore_index=IGNORE)
+    loss = (ce * w.reshape(-1)).sum()
+    if selector is not None and selector_alpha:
+        top, candidates = selector.top_candidates(logits, vocab_ids)  # [nb, B-1, K]
+        previous = torch.cat([block_ids[:, :1], token_labels[:, :-1].clamp(min=0)], 1)  # a past-end label has weight 0
+        scores = selector.scores(selector.gate(hidden), top, candidates, previous)
+        is_label = candidates == token_labels[..., None]
+        covered = is_label.any(-1)
+        ce_sel = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), is_label.float().argmax(-1).reshape(-1),
+                                 reduction="none")
+        loss = loss + selector_alpha * (ce_sel * (w * covered).reshape(-1)).sum()
+    return loss, w.sum(), correct
 
 
 def most_frequent_tokens(records, vocab_size: int, k: int):
@@ -296,7 +325,7 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
             continue
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
             _, _, correct = sequence_loss(drafter, frozen, ids, features(rec, ids), anchors, cfg.block_size, gamma,
-                                          vocab)
+                                          vocab, selector_alpha=0.0)
         rows.append(correct.cpu())
     drafter.train(was_training)
     correct = torch.cat(rows)
@@ -402,7 +431,12 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
                 drafter.acceptance_profile = None  # measured at the old B; the first eval remeasures it
         elif cfg.init != "random":
             raise ValueError(f"init must be random, target or a drafter folder, got {cfg.init!r}")
+        if cfg.dflash2 and not drafter.config.is_dflash2:  # drafts exactly as the v1 drafter at step 0
+            drafter = DFlashDrafter.dflash2_from(drafter, selector_rank=cfg.selector_rank,
+                                                 selector_top_k=cfg.selector_top_k, seed=cfg.seed)
     drafter.to(device).train()
+    if drafter.config.is_dflash2 and not cfg.selector_alpha:  # no selector loss: the selector stays as it is
+        drafter.candidate_selector.requires_grad_(False)
     frozen = FrozenTargetParts(target).to(device)
     vocab, coverage = None, 1.0
     if cfg.loss_vocab:
@@ -419,7 +453,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     warm = max(1, int(cfg.warmup * total))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm))))
@@ -484,7 +518,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
                     feats = features(rec, ids)
                 with sync:
                     loss, _, _ = sequence_loss(model, frozen, ids, feats, anchors, cfg.block_size, gamma, vocab,
-                                               need_correct=False)
+                                               need_correct=False, selector_alpha=cfg.selector_alpha)
                     (loss / total_w).backward()
             loss_sum += loss.item()
             n_slots = int((block_labels(ids, anchors, cfg.block_size) != IGNORE).sum())

@@ -2,7 +2,9 @@
 against: transformers' Qwen3RotaryEmbedding and apply_rotary_pos_emb, and plain softmax
 attention over [context K/V ; block K/V] under an explicit boolean mask per layer. Which
 keys a layer's queries see is the caller's: the authors' rule (:func:`authors_visible`) or a
-test's own."""
+test's own. DFlash2's block convolution (:func:`plain_block_conv`, wrapped around each
+sublayer) and candidate selector (:func:`plain_select`) are written out here as loops over
+slots, taps and channels from the research notes' formulas (docs/dflash2.md)."""
 import torch
 import torch.nn.functional as F
 
@@ -88,7 +90,7 @@ def plain_draft_step(drafter, d, feats, block_embeds, start, visible=None):
     x = block_embeds
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
-        h = norm(x, layer.input_layernorm.weight)
+        h, conv_out = dflash2_sides(getattr(layer, "attention_conv", None), norm(x, layer.input_layernorm.weight))
         q = norm(F.linear(h, a.q_proj.weight).view(B, HQ, D), a.q_norm.weight).transpose(0, 1)[None]
         k = norm(torch.cat([F.linear(ctx, a.k_proj.weight), F.linear(h, a.k_proj.weight)]).view(T + B, HKV, D),
                  a.k_norm.weight).transpose(0, 1)[None]
@@ -100,11 +102,63 @@ def plain_draft_step(drafter, d, feats, block_embeds, start, visible=None):
         s = (q.float() @ k.float().transpose(-1, -2)) * D ** -0.5
         s = s.masked_fill(~visible(i, positions[0, T:, None], positions), float("-inf"))
         o = (torch.softmax(s, -1) @ v.float()).to(x.dtype)[0].transpose(0, 1).reshape(B, HQ * D)
-        x = x + F.linear(o, a.o_proj.weight)
+        x = x + conv_out(F.linear(o, a.o_proj.weight))
         h = norm(x, layer.post_attention_layernorm.weight)
+        h, conv_out = dflash2_sides(getattr(layer, "mlp_conv", None), h)
         m = layer.mlp
-        x = x + F.linear(F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight), m.down_proj.weight)
+        x = x + conv_out(F.linear(F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight),
+                                  m.down_proj.weight))
     return norm(x, drafter.norm.weight)
+
+
+def plain_block_conv(x, base, delta, group_size):
+    """out[i, c] = sum over taps t <= i of (base[t, c] + delta[i, t, c // group_size]) * x[i - t, c]:
+    x [B, H] one block, base [T, H], delta [B, T, G]; summed in fp64."""
+    B, H = x.shape
+    out = torch.zeros(B, H, dtype=torch.float64)
+    for i in range(B):
+        for t in range(min(base.shape[0], i + 1)):
+            for c in range(H):
+                out[i, c] += (base[t, c].double() + delta[i, t, c // group_size].double()) * x[i - t, c].double()
+    return out.to(x.dtype)
+
+
+def dflash2_sides(conv, normed):
+    """(the sublayer's input, what its output goes through) for a DFlash2 BlockConv `conv` (None: v1,
+    no convolution): the coefficient deltas of both sides are one projection of `normed` [B, H],
+    its rows read as (side, tap, group)."""
+    if conv is None:
+        return normed, lambda y: y
+    T, H = conv.base_kernel.shape[1:]
+    G = conv.kernel_projection.weight.shape[0] // (2 * T)
+    delta = F.linear(normed, conv.kernel_projection.weight).view(-1, 2, T, G)
+    side = [lambda y, s=s: plain_block_conv(y, conv.base_kernel[s], delta[:, s], H // G) for s in (0, 1)]
+    return side[0](normed), side[1]
+
+
+def plain_select(drafter, hidden, logits, anchor, vocab=None):
+    """The DFlash2 selector's greedy path, slot by slot, for one block: `hidden` [n, H] the
+    prediction slots' final-normed states, `logits` [n, V'] their LM-head logits (V' the draft
+    vocabulary's rows when `vocab` maps them to token ids), `anchor` the block's first token."""
+    c, sel = drafter.config, drafter.candidate_selector
+    path, previous = [], int(anchor)
+    for j in range(logits.shape[0]):
+        u = logits[j].double() * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            u = c.final_logit_softcapping * torch.tanh(u / c.final_logit_softcapping)
+        best, best_score = None, None
+        order = sorted(range(u.numel()), key=lambda t: -float(u[t]))[:c.selector_top_k]
+        gate = [float(sum(sel.hidden_projection.weight[r, h] * hidden[j, h] for h in range(hidden.shape[1])))
+                for r in range(c.selector_rank)]
+        for row in order:
+            token = row if vocab is None else int(vocab[row])
+            score = float(u[row]) + sum(float(sel.predecessor_codebook[previous, r]) * gate[r]
+                                        * float(sel.successor_codebook[token, r]) for r in range(c.selector_rank))
+            if best_score is None or score > best_score:
+                best, best_score = token, score
+        path.append(best)
+        previous = best
+    return path
 
 
 def our_draft_step(drafter, feats, block_embeds, start, fused=True, draft_window=None):

@@ -17,14 +17,16 @@ import torch
 from dflash_ext.config import DFlashConfig
 from dflash_ext.drafter import DFlashDrafter
 from python_tests.decoding_helpers import tiny_target, tiny_target_config
-from python_tests.drafter.plain_reference import H, K_FEATS, config_json, our_draft_step, plain_draft_step, random_drafter
+from python_tests.drafter.plain_reference import (H, K_FEATS, authors_visible, config_json, our_draft_step,
+                                                  plain_draft_step, random_drafter)
 
 LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
 WINDOW, BLOCK, CONTEXT = 3, 4, 12
 INNER = {"target_layer_ids": [1, 4], "mask_token_id": 99}
 
-# Bidirectional sliding layers with a window are rejected (test_a_bidirectional_window_is_rejected):
-# the bidirectional cases keep the sliding layer types without their window.
+# Bidirectional sliding layers with a window have a symmetric window per query
+# (test_a_bidirectional_window_is_symmetric_per_query): the bidirectional cases here keep the
+# sliding layer types without their window.
 NO_WINDOW = {"use_sliding_window": False}
 # name -> (extra config.json fields, the causality of each layer they mean, each layer's window)
 CASES = {
@@ -137,13 +139,37 @@ def test_the_first_explicit_field_wins(top, inner, want):
     assert c.layer_causal == ([want] * 4 if want is not None else CASES["default rule"][1])
 
 
-@pytest.mark.parametrize("extra", [{"is_causal": False}, {"dflash_config": dict(INNER, causal=False)}])
-def test_a_bidirectional_window_is_rejected(extra):
-    """The engines give a bidirectional sliding layer a symmetric per-query window, which the
-    op does not implement: an error, never another function."""
-    with pytest.raises(ValueError, match="bidirectional sliding-window layer"):
-        DFlashConfig.from_json_dict(mixed_config(extra))
-    DFlashConfig.from_json_dict(mixed_config({**extra, **NO_WINDOW}))  # no window: bidirectional over everything
+SYMMETRIC = {"is_causal false": {"is_causal": False}, "dflash_config.causal false": {"dflash_config": dict(INNER, causal=False)}}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", SYMMETRIC)
+def test_a_bidirectional_window_is_symmetric_per_query(name, fused):
+    """The engines (and the authors' code: authors_visible) give a bidirectional sliding layer
+    a symmetric per-query window, |p - k| < W, as DFlash2's published configs have on every
+    layer: the inference step (the fused path runs those layers unfused) and the training
+    forward at every anchor follow it, a context longer than the window."""
+    d = mixed_config(SYMMETRIC[name])
+    symmetric = authors_visible(mixed_config(SYMMETRIC["is_causal false"]))  # the authors read the top level
+    c = DFlashConfig.from_json_dict(d)
+    assert c.layer_symmetric_window == [True, False] * 2
+    drafter = random_drafter(d)
+    feats, block = inputs()
+    with torch.no_grad():
+        ours = our_draft_step(drafter, feats, block, CONTEXT, fused)
+        torch.testing.assert_close(ours, plain_draft_step(drafter, d, feats, block, CONTEXT, symmetric),
+                                   rtol=1e-4, atol=1e-4)
+        # the window matters: the last-W-context-rows rule of the other bidirectional layers differs
+        last_rows = plain_draft_step(drafter, d, feats, block, CONTEXT, visible_keys([False] * 4, [WINDOW, 0] * 2,
+                                                                                     CONTEXT))
+        assert (ours - last_rows).abs().max() > 1e-2
+        feats, _ = inputs(n=CONTEXT + BLOCK)
+        anchors = torch.tensor([1, 2, 5, 9, CONTEXT])
+        embeds = torch.randn(len(anchors), BLOCK, H, generator=torch.Generator().manual_seed(2))
+        hidden = drafter(feats, embeds, anchors)
+        for a, p in enumerate(anchors.tolist()):
+            torch.testing.assert_close(hidden[a], plain_draft_step(drafter, d, feats[:p], embeds[a], p, symmetric),
+                                       rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -10,6 +10,7 @@ struct ProjectFeaturesDims { int64_t k, T, H, H_out; };
 struct InjectDims { int64_t T, H, N, Hkv, D, S, P; };
 struct BlockAttentionDims { int64_t Bsz, Bq, Hq, Hkv, D, S; };
 struct SkinnyLinearDims { int64_t M, N, K; };
+struct BlockConvDims { int64_t M, B, H, T, G; };
 
 ProjectFeaturesDims check_project_features(at::TensorList features, const at::Tensor& fc_weight,
                                            const at::Tensor& norm_weight, double eps);
@@ -25,6 +26,7 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
                                          int64_t max_context);
 SkinnyLinearDims check_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias);
+BlockConvDims check_block_conv(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta);
 
 // Value checks (host tensors): positions in [0, P), slots in [-1, S) and unique.
 void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slots_cpu,
