@@ -29,9 +29,9 @@ static at::Tensor skinny_linear_library(const at::Tensor& x, const at::Tensor& w
   return at::linear(x, weight, bias);
 }
 
-// block_conv on devices without a kernel of ours: not fused on CUDA yet. The checks, then the
-// math of dflash_ext.reference.block_conv in ATen ops (fp32, one cast to x's dtype); the CPU
-// kernel (cpu/block_conv.cpp) takes precedence.
+// block_conv on devices without a kernel of ours (the CPU's is cpu/block_conv.cpp, CUDA's
+// cuda/block_conv_<arch>.cu): the checks, then the math of dflash_ext.reference.block_conv in
+// ATen ops (fp32, one cast to x's dtype).
 static at::Tensor block_conv_unfused(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta) {
   const dflash::BlockConvDims d = dflash::check_block_conv(x, base, delta);
   const at::Tensor xs = x.to(at::kFloat);

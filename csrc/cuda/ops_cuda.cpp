@@ -27,12 +27,13 @@ struct ArchLaunchers {
   void (*inject_context_kv)(const InjectParams&, cudaStream_t);
   bool (*block_attention_plan)(BlockAttentionParams&, const DeviceLimits&);
   void (*block_attention)(const BlockAttentionParams&, cudaStream_t);
+  void (*block_conv)(const BlockConvParams&, cudaStream_t);
 };
 
 #define DFLASH_ARCH_LAUNCHERS(arch)                                                            \
   ArchLaunchers{&arch::project_features_plan, &arch::project_features,                 \
                 &arch::inject_context_kv_plan, &arch::inject_context_kv,                      \
-                &arch::block_attention_plan, &arch::block_attention}
+                &arch::block_attention_plan, &arch::block_attention, &arch::block_conv}
 
 struct DeviceInfo {
   const ArchLaunchers* launchers;
@@ -46,7 +47,7 @@ void check_cuda(cudaError_t err, const char* what) {
 // Architecture and limits of `device`, looked up once per device (returned by value: the
 // cache may grow while another thread uses an entry).
 // A kernel set not compiled in (DFLASH_CUDA_ARCHS) has no launchers to point to.
-#define DFLASH_NO_LAUNCHERS ArchLaunchers{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}
+#define DFLASH_NO_LAUNCHERS ArchLaunchers{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}
 
 DeviceInfo device_info(const at::Device& device) {
 #ifdef DFLASH_CUDA_ARCH_SM80
@@ -249,6 +250,28 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   return out;
 }
 
+at::Tensor block_conv_cuda(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta) {
+  const auto d = check_block_conv(x, base, delta);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto xc = x.contiguous(), bc = base.contiguous(), dc = delta.contiguous();
+  auto out = at::empty_like(xc);
+  if (out.numel() == 0) return out;
+  BlockConvParams p{};
+  p.x = xc.data_ptr();
+  p.base = bc.data_ptr();
+  p.delta = dc.data_ptr();
+  p.out = out.data_ptr();
+  p.M = d.M;
+  p.B = narrow(d.B, "B");
+  p.H = narrow(d.H, "H");
+  p.T = narrow(d.T, "T");
+  p.G = narrow(d.G, "G");
+  narrow(d.M * d.B, "M * B");  // one CTA per row: the grid's x dimension
+  p.dtype = dtype_of(out);
+  device_info(x.device()).launchers->block_conv(p, c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
 }  // namespace
 }  // namespace dflash::cuda
 
@@ -256,4 +279,5 @@ TORCH_LIBRARY_IMPL(dflash_ext, CUDA, m) {
   m.impl("project_features", &dflash::cuda::project_features_cuda);
   m.impl("inject_context_kv", &dflash::cuda::inject_context_kv_cuda);
   m.impl("block_attention", &dflash::cuda::block_attention_cuda);
+  m.impl("block_conv", &dflash::cuda::block_conv_cuda);
 }

@@ -102,6 +102,13 @@ def test_generic_tensor_core_kernels_use_mma_sync(sass, arch, op):
         assert "HGMMA" not in body, f"{name} ({arch}) contains wgmma, which traps off Hopper"
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_block_conv_has_a_kernel_per_dtype_for_every_arch(sass, arch):
+    _built(arch)
+    kernels = _kernels(sass, ARCHES[arch], rf"{len(arch)}{arch}\d+block_conv_kernel")
+    assert len(kernels) == 3, f"block_conv kernels for {arch} (fp32, bf16, fp16): {sorted(kernels)}"
+
+
 def test_sm80_file_embeds_ptx_for_newer_gpus():
     _built("sm80")
     tool = _cuobjdump()
@@ -124,7 +131,7 @@ def _ptxas_reports():
 
 def test_ptxas_reports_no_spills_and_no_stack_for_any_kernel():
     reports = _ptxas_reports()
-    assert len(reports) == len(OPS) * len(dflash_ext._C._cuda_archs())
+    assert len(reports) == (len(OPS) + 1) * len(dflash_ext._C._cuda_archs())  # + block_conv
     for source, text in reports.items():
         entries = re.findall(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
                              r"(\d+) bytes spill loads", text)

@@ -10,7 +10,8 @@ tests hold the tolerances; this script is about memory errors). Exits non-zero o
 mismatch. Paths covered: tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV
 with the combine, empty splits; block_attention causal too) and the SIMT kernels (fp32,
 odd shapes); and the index guards: bad slots, positions and cache ranges with
-validate=False (skipped or clamped, so memcheck must see no access outside the tensors).
+validate=False (skipped or clamped, so memcheck must see no access outside the tensors);
+block_conv (taps past the block's start, T > B).
 """
 import sys
 
@@ -71,6 +72,16 @@ def attention_cases():
                     out, reference.block_attention(*inp.args(), causal=causal))
 
 
+def conv_cases():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in DTYPES:
+        for M, B, H, T, G in shapes([(3, 16, 576, 2, 36), (5, 4, 2048, 2, 128), (2, 7, 17, 3, 17), (1, 3, 7, 5, 7)]):
+            x, base, delta = (torch.randn(shape, generator=gen, device="cuda").to(dtype)
+                              for shape in ((M, B, H), (T, H), (M, B, T, G)))
+            compare(f"block_conv {dtype} M={M} B={B} H={H} T={T} G={G}", dflash_ext.block_conv(x, base, delta),
+                    reference.block_conv(x, base, delta))
+
+
 def unvalidated_bad_index_cases():
     for dtype in DTYPES:
         T, S, P = 16, 20, 24
@@ -103,6 +114,7 @@ if __name__ == "__main__":
     project_cases()
     inject_cases()
     attention_cases()
+    conv_cases()
     unvalidated_bad_index_cases()
     torch.cuda.synchronize()
     print(f"{len(failures)} mismatches" + (f": {failures}" if failures else ""))

@@ -99,6 +99,18 @@ struct BlockAttentionParams {
   DType dtype;
 };
 
+// block_conv (DFlash2): out[m, i, c] = sum_{t <= i, t < T} (base[t, c] + delta[m, i, t, c / (H / G)])
+// * x[m, i - t, c].
+struct BlockConvParams {
+  const void* x;      // [M, B, H]
+  const void* base;   // [T, H]
+  const void* delta;  // [M, B, T, G]
+  void* out;          // [M, B, H]
+  int64_t M;
+  int B, H, T, G;
+  DType dtype;
+};
+
 // One set of launchers per compiled architecture (csrc/cuda/*_sm*.cu). A plan function
 // picks the kernel for the problem, fills the scheduling fields (splits) from the SM
 // count, and returns whether the tensor-core kernel runs (false: the SIMT path, also
@@ -111,6 +123,7 @@ struct BlockAttentionParams {
   void inject_context_kv(const InjectParams& p, cudaStream_t stream);              \
   bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev);     \
   void block_attention(const BlockAttentionParams& p, cudaStream_t stream);        \
+  void block_conv(const BlockConvParams& p, cudaStream_t stream);                  \
   }
 
 DFLASH_DECLARE_ARCH_LAUNCHERS(sm80)
