@@ -125,11 +125,12 @@ class CandidateSelector(nn.Module):
         cap = c.final_logit_softcapping
         return u if cap is None else cap * torch.tanh(u / cap)
 
-    def top_candidates(self, logits: torch.Tensor, vocab: Optional[torch.Tensor] = None):
-        """(unary [..., K] fp32, token ids [..., K]): each slot's top-K of the transformed
-        `logits` [..., V'] (rows of the draft vocabulary when `vocab` maps them to token ids)."""
-        unary, idx = self.unary(logits).topk(self.config.selector_top_k, dim=-1)
-        return unary, (idx if vocab is None else vocab[idx])
+    def top_candidates(self, unary: torch.Tensor, vocab: Optional[torch.Tensor] = None):
+        """(unary [..., K], token ids [..., K]): each slot's top-K of the transformed logits
+        `unary` [..., V'] (:meth:`unary`; rows of the draft vocabulary when `vocab` maps them
+        to token ids)."""
+        top, idx = unary.topk(self.config.selector_top_k, dim=-1)
+        return top, (idx if vocab is None else vocab[idx])
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., R] fp32: the per-slot gate on the rank dimension."""
@@ -147,7 +148,7 @@ class CandidateSelector(nn.Module):
         ``hidden [Bsz, n, H]``, their LM-head ``logits [Bsz, n, V']`` (V' the draft vocabulary
         when `vocab` maps its rows to token ids) and the anchor tokens [Bsz]. Plain torch
         ops, no host reads: a CUDA graph captures it."""
-        unary, candidates = self.top_candidates(logits, vocab)  # [Bsz, n, K]
+        unary, candidates = self.top_candidates(self.unary(logits), vocab)  # [Bsz, n, K]
         gate = self.gate(hidden)  # [Bsz, n, R]
         previous, path = anchor, []
         for j in range(candidates.shape[1]):

@@ -202,7 +202,7 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
                          ignore_index=IGNORE)
     loss = (ce * w.reshape(-1)).sum()
     if selector is not None and selector_alpha:
-        top, candidates = selector.top_candidates(logits, vocab_ids)  # [nb, B-1, K]
+        top, candidates = selector.top_candidates(unary, vocab_ids)  # [nb, B-1, K]
         previous = torch.cat([block_ids[:, :1], token_labels[:, :-1].clamp(min=0)], 1)  # a past-end label has weight 0
         scores = selector.scores(selector.gate(hidden), top, candidates, previous)
         is_label = candidates == token_labels[..., None]
