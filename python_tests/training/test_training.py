@@ -13,7 +13,7 @@ from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sampl
 from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
                                         tau_of, train)
 from python_tests.decoding_helpers import tiny_target, tiny_target_config
-from python_tests.target_families import tiny_family_target
+from dflash_ext.testing_targets import tiny_family_target
 
 
 def test_context_mask_matches_hand_built_mask():
