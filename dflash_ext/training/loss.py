@@ -46,8 +46,8 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
         embeds = frozen.embed(block_ids).to(features.dtype)
     hidden = drafter(features, embeds, anchors)[:, 1:]
     labels = block_labels(input_ids, anchors, B)
-    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the
-    # weight expanded per block (measured: over a quarter of a CPU training step, bench/RESULTS.md §5)
+    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the weight
+    # expanded per block (measured: over a quarter of a CPU training step, bench/results/history/notebook-2026.md §5)
     logits = F.linear(hidden.flatten(0, 1), frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
     logits = logits.view(*labels.shape, -1)
     selector = core.candidate_selector if config.is_dflash2 else None
