@@ -8,8 +8,8 @@ import torch
 from dflash_ext.decoding import DecodeState, spec_generate, speculative_step, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.target import CacheRollback, TargetRunner
-from python_tests.decoding_helpers import OracleProposer
 from dflash_ext.testing_targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
+from python_tests.decoding_helpers import OracleProposer
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 52))]  # the second is longer than the window
 NEW_TOKENS = 3 * SLIDING_WINDOW
