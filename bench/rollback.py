@@ -6,7 +6,7 @@ How to run (from the repository root, with the extension already built)::
     .venv/bin/python -m bench.rollback --quick    # shorter timing
     .venv/bin/python -m bench.rollback --families qwen3_5 --hidden 1024 --context 2048
 
-Each target is a random model of its family (python_tests/target_families.py, every width
+Each target is a random model of its family (dflash_ext/testing_targets.py, every width
 following --hidden; sliding layers alternate with full ones, the hybrid puts a full-attention
 layer every --full-every layers among Gated DeltaNet ones, as Qwen3.5 does), run as
 spec_generate runs it (linear layers streamed). After a prefill of --context tokens, the
@@ -66,7 +66,7 @@ def parse_args(argv=None):
 
 
 def build_target(family, args):
-    from python_tests.target_families import tiny_family_target
+    from dflash_ext.testing_targets import tiny_family_target
 
     return tiny_family_target(family, num_hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden,
                               sliding_window=args.window, full_attention_interval=args.full_every,

@@ -65,7 +65,8 @@ def _lm_head_padding(rows: int, weight: torch.Tensor, bias: Optional[torch.Tenso
     """Rows to pad an LM-head GEMM with on CPU: 0 or up to a multiple of 16, whichever this
     machine runs faster (measured once per shape). CPU GEMM kernels run some row counts
     far slower than the next multiple of 16 (MKL in fp32: 10 rows about 2x slower than 16,
-    bench/RESULTS.md §2), others faster (bf16 with avx512_bf16: 3 rows in half the time of 16)."""
+    bench/results/history/notebook-2026.md §2), others faster (bf16 with avx512_bf16: 3 rows in
+    half the time of 16)."""
     pad = -rows % 16
     if weight.device.type != "cpu" or pad == 0:
         return 0

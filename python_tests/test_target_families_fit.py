@@ -13,9 +13,9 @@ from dflash_ext.decoding import choose_block_size, spec_generate, target_generat
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.proposer import DFlashProposer, block_embedding
 from dflash_ext.target import TargetRunner
+from dflash_ext.testing_targets import COMPOSITE, FAMILIES, composite_config, target_config, tiny_family_target
 from dflash_ext.training.data import target_features
 from dflash_ext.training.trainer import FrozenTargetParts
-from python_tests.target_families import COMPOSITE, FAMILIES, composite_config, target_config, tiny_family_target
 
 
 @pytest.mark.parametrize("family", FAMILIES)

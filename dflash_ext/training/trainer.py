@@ -14,6 +14,10 @@ every (epoch, record) come from seeded generators that do not depend on the rank
 each optimizer step normalises the loss by the summed label weights of one global batch
 (every rank computes that sum from the anchors alone), so a run on N processes follows
 the one-process run with the same global batch.
+
+The run's settings and resume rules (TrainConfig, run_config) are
+:mod:`dflash_ext.training.train_config`'s and the loss :mod:`dflash_ext.training.loss`'s,
+all importable from here too.
 """
 import contextlib
 import copy
@@ -22,234 +26,23 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import asdict
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import default_target_layer_ids, target_text_config
 from ..drafter import DFlashDrafter
 from ..hardware import fastest_dtype
-from ..proposer import block_embedding
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
-from .recipe import IGNORE, block_labels, default_gamma, loss_weights, sample_anchors
+from .loss import FrozenTargetParts, LossVocab, label_weights, most_frequent_tokens, sequence_loss, tau_of
+from .recipe import IGNORE, block_labels, default_gamma, sample_anchors
+from .train_config import (EVAL_LOG, FRESH_LAYERS, MAY_CHANGE_ON_RESUME, PATH_FIELDS, STATE_NAME,  # noqa: F401
+                           TrainConfig, _comparable, _flag, _refuse_foreign_out, _saved_run, run_config)
 
 __all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
            "init_layers_from_target", "most_frequent_tokens"]
-
-STATE_NAME = "trainer_state.pt"
-FRESH_LAYERS = 5  # drafter layers of a fresh (not continued) run, as the paper's drafters
-# One line per held-out evaluation; written with the checkpoint (one atomic save), so it
-# shows an evaluation at the next save and never one past the saved step.
-EVAL_LOG = "eval.jsonl"
-
-
-@dataclass
-class TrainConfig:
-    data: str
-    out: str
-    num_layers: Optional[int] = None  # 5 for a fresh drafter; with init a folder: its own, or more (appended)
-    block_size: int = 16
-    anchors: int = 512          # per sequence per epoch (paper: 512)
-    gamma: Optional[float] = None  # loss decay; default by block size
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    epochs: int = 6
-    warmup: float = 0.04
-    grad_clip: float = 1.0
-    batch_size: int = 4         # sequences per optimizer step (global, over all processes)
-    max_len: int = 3072
-    seed: int = 0
-    save_every: int = 200       # steps between checkpoints
-    autocast: str = "auto"      # bf16 autocast: auto = where bf16 is fast (CUDA, CPUs with bf16 units)
-    max_steps: Optional[int] = None
-    log_every: int = 10
-    features: str = "auto"      # cached | live | auto (cached when the folder has features)
-    layer_ids: Optional[List[int]] = None  # target layers; default: meta.json, else the default rule
-    holdout: int = 0            # records (highest ids) kept out of training to measure tau on
-    eval_every: int = 0         # steps between held-out tau measurements (0: only at the end)
-    eval_stride: int = 4        # held-out anchors: every eval_stride-th response position
-    init: str = "random"        # random | target (layers from the target's last layers) | a drafter folder
-    loss_vocab: int = 0         # softmax of the loss over the K most frequent response tokens (0: all)
-    extra_data: List[str] = field(default_factory=list)  # more gen-data folders: training only, never held out
-    overwrite: bool = False     # replace whatever `out` holds (a saved run starts over)
-    dflash2: bool = False       # train DFlash2: a v1 drafter (init) starts as DFlashDrafter.dflash2_from of it
-    selector_rank: int = 256    # DFlash2's selector (a new one; a DFlash2 init keeps its own)
-    selector_top_k: int = 16
-    selector_alpha: float = 1.0  # weight of the selector's loss (SpecForge's dflash2_selector_loss_alpha)
-
-
-# What a resumed run may change: how long it goes on and how often it logs, evaluates and
-# saves. Every other field defines the run (and its saved optimizer and step).
-MAY_CHANGE_ON_RESUME = {"out", "max_steps", "save_every", "log_every", "eval_every", "overwrite"}
-PATH_FIELDS = {"data", "extra_data", "init"}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _comparable(name: str, value):
-    if isinstance(value, (list, tuple)):
-        return [_comparable(name, v) for v in value]
-    if name in PATH_FIELDS and isinstance(value, str) and os.path.exists(value):
-        return os.path.realpath(value)  # the same folder by another spelling
-    return value
-
-
-def _saved_run(out: str) -> Optional[Dict[str, Any]]:
-    """The TrainConfig fields of the run saved in `out` (None: no trainer state there)."""
-    path = os.path.join(out, STATE_NAME)
-    if not os.path.exists(path):
-        return None
-    saved = torch.load(path, weights_only=False, mmap=True)["config"]  # mmap: the optimizer state stays on disk
-    known = {f.name for f in fields(TrainConfig)} - {"overwrite"}  # a run started over once is resumed later
-    return {k: v for k, v in saved.items() if k in known}
-
-
-def _refuse_foreign_out(out: str) -> None:
-    if os.path.isdir(out):
-        held = sorted(os.listdir(out))
-    else:
-        held = [os.path.basename(out)] if os.path.lexists(out) else []
-    if held:
-        raise ValueError(f"--out {out} already holds files ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}) "
-                         f"and no training state to resume: pass --overwrite to replace it")
-
-
-def run_config(values: Dict[str, Any]) -> Tuple[TrainConfig, bool]:
-    """(the config of a training run, whether it resumes the run saved in ``values["out"]``)
-    from TrainConfig fields, None meaning not given (the CLI passes its flags so). A resumed
-    run takes the saved run's value of every field not given; a given field that defines the
-    run (all but MAY_CHANGE_ON_RESUME) must equal the saved one: ValueError naming the flag.
-    Without a saved run, an `out` that already holds files is refused unless `overwrite`."""
-    given = {k: v for k, v in values.items() if v is not None}
-    out = given["out"]
-    saved = None if given.get("overwrite") else _saved_run(out)
-    if saved is None:
-        if not given.get("overwrite"):
-            _refuse_foreign_out(out)
-        return TrainConfig(**given), False
-    for name, value in given.items():
-        if name in MAY_CHANGE_ON_RESUME or name not in saved:
-            continue
-        if _comparable(name, value) != _comparable(name, saved[name]):
-            raise ValueError(f"--out {out} holds a run trained with {_flag(name)} {saved[name]!r} ({name}), "
-                             f"this one asks for {value!r}: leave {_flag(name)} out to resume the saved run, or "
-                             f"pass --overwrite to start over (or use another --out)")
-    return TrainConfig(**{**saved, **given}), True
-
-
-class FrozenTargetParts(torch.nn.Module):
-    """The target's embedding and LM head (no gradients, not part of the drafter)."""
-
-    def __init__(self, target):
-        super().__init__()
-        self.embed = block_embedding(target)  # as inference embeds a block
-        self.lm_head = target.get_output_embeddings()
-        for p in self.parameters():
-            p.requires_grad_(False)
-
-
-def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
-                  anchors: torch.Tensor, block_size: int, gamma: float, vocab: Optional["LossVocab"] = None,
-                  need_correct: bool = True, selector_alpha: float = 1.0):
-    """Weighted cross-entropy of all blocks of one sequence: slot j predicts
-    input_ids[anchor + j] with weight exp(-(j-1)/gamma); slot 0 and slots past the end
-    have no loss. With `vocab`, the softmax runs over that token subset only (labels
-    outside it get no loss). Returns (weighted loss sum, weight sum, correct [nb, B-1]
-    bool: the block inference would draft matches the labels there; None without
-    `need_correct`): the caller normalises by the weight sum of its whole batch.
-
-    DFlash2 (as SpecForge defines its loss): the cross-entropy runs on the selector's
-    transformed logits, plus `selector_alpha` times the selector's: at each slot whose label
-    is among the top-K candidates, a K-way cross-entropy of the candidates' scores after the
-    label of the slot before (teacher-forced; the anchor token at slot 1), with the same
-    weights, over the same denominator. Its drafts are the selector's greedy path."""
-    B = block_size
-    core = getattr(drafter, "module", drafter)  # unwrap DDP
-    config = core.config
-    block_ids = torch.full((anchors.numel(), B), config.mask_token_id, dtype=torch.long,
-                           device=input_ids.device)
-    block_ids[:, 0] = input_ids[anchors]
-    with torch.no_grad():
-        embeds = frozen.embed(block_ids).to(features.dtype)
-    hidden = drafter(features, embeds, anchors)[:, 1:]
-    labels = block_labels(input_ids, anchors, B)
-    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the
-    # weight expanded per block (measured: over a quarter of a CPU training step, bench/RESULTS.md §5)
-    logits = F.linear(hidden.flatten(0, 1), frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
-    logits = logits.view(*labels.shape, -1)
-    selector = core.candidate_selector if config.is_dflash2 else None
-    vocab_ids = None if vocab is None else vocab.ids
-    correct = None
-    if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary, or the selector's path
-        with torch.no_grad():
-            if selector is not None:
-                drafts = selector(hidden, logits, block_ids[:, 0], vocab_ids)
-            else:
-                best = logits.argmax(-1)
-                drafts = best if vocab is None else vocab.ids[best]
-            correct = drafts == labels
-    token_labels = labels
-    if vocab is not None:
-        labels = vocab.remap(labels)
-    w = label_weights(labels, gamma)
-    unary = logits.float() if selector is None else selector.unary(logits)
-    ce = F.cross_entropy(unary.reshape(-1, unary.shape[-1]), labels.reshape(-1), reduction="none",
-                         ignore_index=IGNORE)
-    loss = (ce * w.reshape(-1)).sum()
-    if selector is not None and selector_alpha:
-        top, candidates = selector.top_candidates(unary, vocab_ids)  # [nb, B-1, K]
-        previous = torch.cat([block_ids[:, :1], token_labels[:, :-1].clamp(min=0)], 1)  # a past-end label has weight 0
-        scores = selector.scores(selector.gate(hidden), top, candidates, previous)
-        is_label = candidates == token_labels[..., None]
-        covered = is_label.any(-1)
-        ce_sel = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), is_label.float().argmax(-1).reshape(-1),
-                                 reduction="none")
-        loss = loss + selector_alpha * (ce_sel * (w * covered).reshape(-1)).sum()
-    return loss, w.sum(), correct
-
-
-def most_frequent_tokens(records, vocab_size: int, k: int):
-    """(sorted ids of the k most frequent response tokens of `records`, their share of all
-    response tokens)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in records:
-        counts += torch.bincount(torch.tensor(r["input_ids"][r["response_start"]:]), minlength=vocab_size)
-    ids = counts.topk(min(k, vocab_size)).indices.sort().values
-    return ids, counts[ids].sum().item() / max(1, counts.sum().item())
-
-
-class LossVocab:
-    """A token subset of the vocabulary: the softmax of the loss runs over it instead of the
-    whole vocabulary (the frozen LM head's rows are most of the FLOPs per slot), and the
-    drafter trained so drafts from it (its draft vocabulary, saved with the checkpoint).
-    The held-out tau drafts from it too, as inference does."""
-
-    def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
-        self.ids = ids.to(lm_head_weight.device)
-        self.lm_head_rows = lm_head_weight.detach()[self.ids].contiguous()
-        self._map = torch.full((lm_head_weight.shape[0],), IGNORE, dtype=torch.long, device=self.ids.device)
-        self._map[self.ids] = torch.arange(self.ids.numel(), device=self.ids.device)
-
-    def remap(self, labels: torch.Tensor) -> torch.Tensor:
-        return torch.where(labels == IGNORE, IGNORE, self._map[labels.clamp(min=0)])
-
-
-def label_weights(labels: torch.Tensor, gamma: float) -> torch.Tensor:
-    """[nb, B-1] loss weights of the labelled slots (0 past the end)."""
-    w = loss_weights(labels.shape[1] + 1, gamma, device=labels.device)
-    return w[None, :] * (labels != IGNORE)
-
-
-def tau_of(correct: torch.Tensor) -> float:
-    """Expected tokens per draft step from a per-block correctness matrix [nb, B-1]: the
-    accepted prefix of each block (drafts right up to the first miss) plus the target's
-    own token."""
-    return 1 + torch.cumprod(correct.float(), -1).sum(-1).mean().item()
 
 
 def init_layers_from_target(drafter: DFlashDrafter, target) -> None:

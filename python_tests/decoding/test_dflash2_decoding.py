@@ -7,9 +7,9 @@ import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.testing_targets import SLIDING_WINDOW, tiny_family_target
 from python_tests.decoding.test_target_families import chi2_goodness_of_fit, exact_first_tokens
 from python_tests.decoding_helpers import tiny_target
-from python_tests.target_families import SLIDING_WINDOW, tiny_family_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 52))]  # the second is longer than the sliding window
 NEW_TOKENS = 3 * SLIDING_WINDOW

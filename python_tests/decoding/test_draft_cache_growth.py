@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from dflash_ext import decoding, drafter as drafter_module
+from dflash_ext import decoding, draft_cache
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.proposer import DFlashProposer
@@ -64,7 +64,7 @@ def test_spec_generate_stays_lossless_as_the_cache_grows_many_times(target, monk
     caches = _record_caches(monkeypatch)
     # start at the prompt alone and grow in small steps: many growths within a short answer
     monkeypatch.setattr(decoding, "_FIRST_BLOCKS", 0)
-    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    monkeypatch.setattr(draft_cache, "CACHE_ROW_ALIGN", 4)
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
     base = target_generate(target, PROMPT, 90)
     out = spec_generate(target, drafter, PROMPT, 90)
@@ -81,7 +81,7 @@ def _features(drafter, n, seed):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_a_growing_batch_cache_drafts_what_a_preallocated_one_drafts(monkeypatch, causal):
     """Two sequences fed unevenly: every growth moves each one's rows to its new range."""
-    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    monkeypatch.setattr(draft_cache, "CACHE_ROW_ALIGN", 4)
     drafter = DFlashDrafter.from_target(tiny_target_config(), num_layers=2, block_size=4, causal=causal)
     growing = drafter.new_cache(2, 3, max_capacity=500)
     fixed = drafter.new_cache(2, 200)
@@ -125,7 +125,7 @@ def test_a_growing_proposer_drafts_what_a_preallocated_one_drafts(device, monkey
     """Every draft, not only the output (spec_generate is lossless whatever is drafted): the
     cache and the RoPE tables grown many times (on CUDA: each growth captures the graph
     again) draft the tokens of a proposer that had all its rows from the start."""
-    monkeypatch.setattr(drafter_module, "CACHE_ROW_ALIGN", 4)
+    monkeypatch.setattr(draft_cache, "CACHE_ROW_ALIGN", 4)
     target = tiny_target("qwen3", num_hidden_layers=4, hidden_size=256).to(device)  # head_dim 64: every CUDA kernel
     # two drafters, one weight set: each proposer's RoPE tables grow on their own drafter
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4).to(device)

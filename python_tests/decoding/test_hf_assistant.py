@@ -7,8 +7,8 @@ import torch
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.proposer import DFlashProposer
 from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.testing_targets import FAMILIES, tiny_family_target
 from python_tests.decoding_helpers import tiny_target
-from python_tests.target_families import FAMILIES, tiny_family_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]
 

@@ -1,5 +1,5 @@
 """spec_generate is lossless on every target family a published drafter serves, whatever
-its cache holds (python_tests/target_families.py): full attention, sliding windows passed
+its cache holds (dflash_ext/testing_targets.py): full attention, sliding windows passed
 during generation, linear-attention conv and recurrent states; and the rollback after a
 rejection at any position of the block leaves the cache a fresh prefill would build."""
 import pytest
@@ -8,8 +8,8 @@ import torch
 from dflash_ext.decoding import DecodeState, spec_generate, speculative_step, target_generate
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.target import CacheRollback, TargetRunner
+from dflash_ext.testing_targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
 from python_tests.decoding_helpers import OracleProposer
-from python_tests.target_families import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 52))]  # the second is longer than the window
 NEW_TOKENS = 3 * SLIDING_WINDOW
@@ -239,7 +239,7 @@ def test_a_pass_longer_than_the_recording_is_an_error():
 @pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
 def test_the_cli_times_the_target_alone_on_every_cache_kind(family):
     """generate's --dtype auto / --baseline time one-token passes past a window and on a hybrid."""
-    from dflash_ext.__main__ import time_target_alone
+    from dflash_ext.timing import time_target_alone
 
     prompt = list(range(5, 5 + 2 * SLIDING_WINDOW))
     assert time_target_alone(tiny_family_target(family), prompt, stream=False, reps=2) > 0

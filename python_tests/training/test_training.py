@@ -8,12 +8,12 @@ import torch
 
 from dflash_ext.decoding import spec_generate, target_generate
 from dflash_ext.drafter import DFlashDrafter, block_mask, context_mask
+from dflash_ext.testing_targets import tiny_family_target
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
                                         tau_of, train)
 from python_tests.decoding_helpers import tiny_target, tiny_target_config
-from python_tests.target_families import tiny_family_target
 
 
 def test_context_mask_matches_hand_built_mask():

@@ -1,0 +1,3 @@
+"""The command line, ``python -m dflash_ext`` (:mod:`dflash_ext.__main__` calls
+:func:`dflash_ext.cli.main.main`): args (typed arguments, usage errors), generate (generate,
+info), training (gen-data, train, eval, export), main (the parser)."""

@@ -1,0 +1,138 @@
+"""The command line's typed arguments (argparse ``type=`` callables) and the usage errors a
+command finds once it reads the data or the model's config (:class:`UsageError`)."""
+import argparse
+import math
+import os
+
+import torch
+
+
+# ---------------------------------------------------------------- argument checks
+# argparse `type=` callables: a bad value ends in "argument --FLAG: must be ..., got X" and
+# exit status 2 before anything loads (no value outside its range is silently a default).
+
+class UsageError(Exception):
+    """A bad argument found by a command (one that needs the data or the model to see it):
+    main() reports it as argparse does, with exit status 2."""
+
+
+def _checked(cast, ok, what):
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse's own messages name the type
+    return parse
+
+
+positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+nonnegative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+int_from_2 = _checked(int, lambda v: v >= 2, "an integer >= 2")
+positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+probability = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fails too
+seed_int = _checked(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")  # torch.Generator's range
+
+
+_block_size_int = _checked(int, lambda v: v >= 1, "auto or an integer >= 1")
+
+
+def parse_block_size(text):
+    return text if text == "auto" else _block_size_int(text)
+
+
+def existing_dir(text):
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text}")
+    return text
+
+
+def output_dir(text):
+    """A folder to write into: it may exist (what is in it is each command's affair), but as a folder."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
+def output_file(text):
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: is a directory" if os.path.isdir(text)
+                                         else f"{text}: no such directory {folder}")
+    return text
+
+
+def target_name(text):
+    """--target: a local model folder or a Hugging Face repo id; what can only be a path must exist."""
+    from ..models import looks_like_local_path
+
+    if looks_like_local_path(text) and not os.path.isdir(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    return text
+
+
+def drafter_folder(text):
+    """A drafter checkpoint folder (reference format: config.json and the weights)."""
+    existing_dir(text)
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text} has no config.json: not a drafter checkpoint")
+    return text
+
+
+def drafter_init(text):
+    return text if text in ("random", "target") else drafter_folder(text)
+
+
+def torch_device(text):
+    """cpu, cuda or cuda:N, N one of this machine's GPUs. Kept as text: the commands read it so."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def _data_records(flag, folder):
+    """The records of a gen-data folder, or a usage error naming `flag` when it has none."""
+    from ..training.data import load_records
+
+    records = load_records(folder)
+    if not records:
+        raise UsageError(f"argument {flag}: {folder} has no gen-data records (responses-*.jsonl)")
+    return records
+
+
+def _is_nonempty_dir(path) -> bool:
+    return os.path.isdir(path) and bool(os.listdir(path))
+
+
+def _target_layer_count(target) -> int:
+    """The decoder layers of --target (None: the embedded default), from its config alone."""
+    from transformers import AutoConfig
+
+    from ..config import target_text_config
+    from ..models import default_target_path
+
+    return target_text_config(AutoConfig.from_pretrained(target or default_target_path())).num_hidden_layers
+
+
+def _check_drafter_fits(drafter, target_config) -> None:
+    try:
+        drafter.check_fits(target_config)
+    except ValueError as e:
+        raise UsageError(f"argument --drafter: {e}") from None
+
+
+def _check_layer_ids(layer_ids, num_layers):
+    if layer_ids and max(layer_ids) >= num_layers:
+        raise UsageError(f"argument --layer-ids: the target has {num_layers} layers (ids 0..{num_layers - 1}), "
+                         f"got {layer_ids}")

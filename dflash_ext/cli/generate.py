@@ -1,0 +1,196 @@
+"""``python -m dflash_ext generate`` (speculative generation, streamed, with statistics and
+the comparison with the target alone) and ``info``."""
+import copy
+import json
+import os
+import sys
+
+import torch
+
+from ..timing import fastest_target_alone
+from .args import _check_drafter_fits
+
+
+class _Streamer:
+    """Prints the decoded text of a growing token list as it grows."""
+
+    def __init__(self, tokenizer, enabled=True):
+        self.tok, self.tokens, self.printed, self.enabled = tokenizer, [], "", enabled
+
+    def __call__(self, new_tokens):
+        self.tokens.extend(new_tokens)
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        if self.enabled and text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+        self.printed = text
+
+
+def _print_stats(name, res):
+    s = res.summary()
+    print(f"\n--- {name}: {s['new_tokens']} tokens in {s['total_s']:.2f} s = {s['tokens_per_second']:.1f} tok/s, "
+          f"time to first token {1e3 * s['time_to_first_token_s']:.0f} ms", file=sys.stderr)
+    if s["block_size"] > 1:
+        steps = max(1, s["steps"])
+        print(f"    tau = {s['tau']:.2f} over {s['steps']} steps (block size {s['block_size']}); "
+              f"acceptance histogram (steps that accepted 0..B-1 drafts): {s['histogram']}", file=sys.stderr)
+        print(f"    per step: draft {1e3 * s['draft_s'] / steps:.1f} ms, verify {1e3 * s['verify_s'] / steps:.1f} ms, "
+              f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _config_name(config) -> str:
+    dtype, stream = config
+    return f"{_name(dtype)} with {'skinny_linear' if stream else 'F.linear'}"
+
+
+def _first_difference(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _same_output_line(dflash, reference, dtype, reference_name) -> tuple:
+    """(identical, the line that says so and what it means in this dtype)."""
+    same = dflash.tokens == reference.tokens
+    where = f"after {_first_difference(dflash.tokens, reference.tokens)} identical tokens"
+    if dtype == torch.float32:
+        return same, ("output: identical to the target alone's greedy output (float32: exact, as it must be)" if same
+                      else f"output: DIFFERS from the target alone's greedy output {where} in float32, where it must "
+                           "not: please report it with the output of python -m dflash_ext info")
+    why = (f"in {_name(dtype)} a B-token verify pass rounds differently from one-token decoding (and skinny_linear "
+           "from F.linear), so where two tokens nearly tie the text can part from the target alone's "
+           "(docs/decoding.md, \"what lossless means in low precision\"); --dtype float32 gives the exact comparison")
+    head = ("output: identical to the target alone's" if same else f"output: parts from the target alone's {where}")
+    return same, f"{head} ({reference_name}); {why}"
+
+
+def cmd_generate(args):
+    from ..decoding import choose_block_size, spec_generate, target_generate
+    from ..drafter import DFlashDrafter
+    from ..hardware import cpu_description
+    from ..models import MissingPackage, default_drafter_path, load_target
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    where = cpu_description() if device.type == "cpu" else args.device
+    measure = args.dtype == "auto" or args.baseline
+    try:  # measuring compares dtypes: load in fp32 (the converted checkpoint's), copy to bf16 after
+        model, tok = load_target(args.target, dtype=torch.float32 if measure else getattr(torch, args.dtype),
+                                 device=args.device)
+    except MissingPackage as e:
+        raise SystemExit(f"python -m dflash_ext: {e}")
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    report = {}
+    if measure:
+        timings, models = fastest_target_alone(model, ids, args.device)
+        fastest = min(timings, key=timings.get)
+        print("[dflash_ext] the target alone, one token per pass after this prompt: "
+              + ", ".join(f"{_config_name(c)} {1e3 * t:.1f} ms" for c, t in timings.items())
+              + f" -> fastest here: {_config_name(fastest)}", file=sys.stderr)
+        report["target_alone_ms_per_token"] = {_config_name(c): 1e3 * t for c, t in timings.items()}
+        dtype = fastest[0] if args.dtype == "auto" else getattr(torch, args.dtype)
+        if dtype not in models:  # e.g. float16 asked for: a copy (.to() would convert the fp32 one in place)
+            models[dtype] = copy.deepcopy(model).to(dtype)
+        model = models[dtype]
+    else:
+        dtype = getattr(torch, args.dtype)
+    print(f"[dflash_ext] dtype {_name(dtype)} ({'auto: the fastest target alone measured above' if args.dtype == 'auto' else 'as asked'}; "
+          f"{where})", file=sys.stderr)
+    report["dtype"] = _name(dtype)
+    default_drafter = default_drafter_path()
+    if args.drafter is None and args.target is None and not args.fresh_drafter:
+        if os.path.exists(os.path.join(default_drafter, "config.json")):
+            args.drafter = default_drafter
+        else:
+            print(f"[dflash_ext] the shipped drafter is missing ({default_drafter}): a broken install?",
+                  file=sys.stderr)
+    if args.drafter:
+        drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
+        _check_drafter_fits(drafter, model.config)
+        note = f"drafter: {args.drafter}"
+    else:
+        # a drafter's block is >= 2; at --block-size 1 it drafts nothing anyway
+        fresh_block = args.block_size if isinstance(args.block_size, int) and args.block_size >= 2 else 16
+        drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
+                                            block_size=fresh_block).to(args.device, dtype)
+        note = ("drafter: freshly initialised (untrained; it accepts almost nothing, tau ~ 1: "
+                "pass --drafter DIR for a trained one)")
+    print(f"[dflash_ext] target: {args.target or 'SmolLM2-135M-Instruct (embedded default)'}; {note}",
+          file=sys.stderr)
+    stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    best_drafting = None  # the best B > 1 where the rule chose B = 1
+    if args.block_size == "auto":
+        choice = choose_block_size(model, drafter, len(ids))
+        args.block_size = choice.block_size
+        speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
+        print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"
+              + (f"; expected {speeds}" if speeds else "") + ")", file=sys.stderr)
+        drafting = {b: v for b, v in choice.tokens_per_second.items() if b > 1}
+        if choice.block_size == 1 and drafting:
+            best_drafting = max(drafting, key=drafting.get)
+            print(f"[dflash_ext] drafting does not pay here: with this drafter in {_name(dtype)} on this machine "
+                  "the target alone is expected to be fastest, so DFlash drafts nothing (block size 1 = the target "
+                  f"alone). The drafter's own run at its best B > 1 (B = {best_drafting}) follows, with its tau.",
+                  file=sys.stderr)
+    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
+    if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
+        spec_generate(model, drafter, ids, 8, block_size=args.block_size, **common)
+    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size,
+                        generator=torch.Generator().manual_seed(args.seed), on_tokens=_Streamer(tok), **common)
+    _print_stats("DFlash" if args.block_size > 1 else "DFlash at block size 1: the target alone, nothing drafted", res)
+    report["dflash"] = res.summary()
+    drafted = None
+    if best_drafting is not None:
+        drafted = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=best_drafting,
+                                generator=torch.Generator().manual_seed(args.seed), **common)
+        _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
+        report["dflash_best_drafting"] = drafted.summary()
+    if args.baseline:
+        base_dtype, base_stream = fastest
+        name = _config_name(fastest)
+        target_generate(models[base_dtype], ids, 8, stream_linears=base_stream, **common)  # warm-up
+        base = target_generate(models[base_dtype], ids, args.max_new_tokens, stream_linears=base_stream,
+                               generator=torch.Generator().manual_seed(args.seed), **common)
+        _print_stats(f"target alone, the fastest way measured here ({name})", base)
+        report["baseline"] = dict(base.summary(), config=name)
+        ratio = lambda r: base.total_time / r.total_time if r.total_time else float("nan")
+        report["speedup"] = ratio(res)
+        print(f"\n=== {_name(dtype)} on {where}, against the target alone run the fastest way measured here ({name}, "
+              f"{base.tokens_per_second:.1f} tok/s):", file=sys.stderr)
+        if args.block_size > 1:
+            print(f"    DFlash (block size {args.block_size}, tau {res.tau:.2f}): {res.tokens_per_second:.1f} tok/s = "
+                  f"{report['speedup']:.2f}x", file=sys.stderr)
+        else:
+            # No ratio: this run is a target alone too, and a gap between two is not DFlash's doing.
+            print(f"    no DFlash speedup here: block size 1 (drafting does not pay), so DFlash ran the target alone "
+                  f"({_config_name((dtype, device.type == 'cpu'))}): {res.tokens_per_second:.1f} tok/s"
+                  + (" (faster than the baseline: the short timing at start ranked them otherwise; a busy machine?)"
+                     if res.total_time < 0.9 * base.total_time else ""), file=sys.stderr)
+        if drafted is not None:
+            report["speedup_best_drafting"] = ratio(drafted)
+            print(f"    the drafter at block size {best_drafting} (tau {drafted.tau:.2f}): "
+                  f"{drafted.tokens_per_second:.1f} tok/s = {report['speedup_best_drafting']:.2f}x", file=sys.stderr)
+        if args.temperature == 0:
+            reference, ref_name = base, name
+            if base_dtype != dtype:  # compare like with like: the target alone in DFlash's dtype
+                reference = target_generate(model, ids, args.max_new_tokens, **common)
+                ref_name = _config_name((dtype, False))
+            same, line = _same_output_line(res, reference, dtype, ref_name)
+            report["identical_to_baseline"] = same
+            print(f"    {line}", file=sys.stderr)
+        else:
+            print("    sampling (temperature > 0): DFlash follows the target's own distribution; the texts are "
+                  "compared only at --temperature 0", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def cmd_info(args):
+    from ..diagnostics import format_info, info
+
+    report = info()
+    print(json.dumps(report, indent=2) if args.json else format_info(report))

@@ -1,0 +1,120 @@
+"""The training loss of one sequence (:func:`sequence_loss`: weighted cross-entropy of its
+blocks, DFlash2's selector term), its parts (the frozen target's embedding and LM head, the
+label weights, the loss vocabulary) and the acceptance it implies (:func:`tau_of`)."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..proposer import block_embedding
+from .recipe import IGNORE, block_labels, loss_weights
+
+
+class FrozenTargetParts(torch.nn.Module):
+    """The target's embedding and LM head (no gradients, not part of the drafter)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.embed = block_embedding(target)  # as inference embeds a block
+        self.lm_head = target.get_output_embeddings()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+
+def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
+                  anchors: torch.Tensor, block_size: int, gamma: float, vocab: Optional["LossVocab"] = None,
+                  need_correct: bool = True, selector_alpha: float = 1.0):
+    """Weighted cross-entropy of all blocks of one sequence: slot j predicts
+    input_ids[anchor + j] with weight exp(-(j-1)/gamma); slot 0 and slots past the end
+    have no loss. With `vocab`, the softmax runs over that token subset only (labels
+    outside it get no loss). Returns (weighted loss sum, weight sum, correct [nb, B-1]
+    bool: the block inference would draft matches the labels there; None without
+    `need_correct`): the caller normalises by the weight sum of its whole batch.
+
+    DFlash2 (as SpecForge defines its loss): the cross-entropy runs on the selector's
+    transformed logits, plus `selector_alpha` times the selector's: at each slot whose label
+    is among the top-K candidates, a K-way cross-entropy of the candidates' scores after the
+    label of the slot before (teacher-forced; the anchor token at slot 1), with the same
+    weights, over the same denominator. Its drafts are the selector's greedy path."""
+    B = block_size
+    core = getattr(drafter, "module", drafter)  # unwrap DDP
+    config = core.config
+    block_ids = torch.full((anchors.numel(), B), config.mask_token_id, dtype=torch.long,
+                           device=input_ids.device)
+    block_ids[:, 0] = input_ids[anchors]
+    with torch.no_grad():
+        embeds = frozen.embed(block_ids).to(features.dtype)
+    hidden = drafter(features, embeds, anchors)[:, 1:]
+    labels = block_labels(input_ids, anchors, B)
+    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the weight
+    # expanded per block (measured: over a quarter of a CPU training step, bench/results/history/notebook-2026.md §5)
+    logits = F.linear(hidden.flatten(0, 1), frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
+    logits = logits.view(*labels.shape, -1)
+    selector = core.candidate_selector if config.is_dflash2 else None
+    vocab_ids = None if vocab is None else vocab.ids
+    correct = None
+    if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary, or the selector's path
+        with torch.no_grad():
+            if selector is not None:
+                drafts = selector(hidden, logits, block_ids[:, 0], vocab_ids)
+            else:
+                best = logits.argmax(-1)
+                drafts = best if vocab is None else vocab.ids[best]
+            correct = drafts == labels
+    token_labels = labels
+    if vocab is not None:
+        labels = vocab.remap(labels)
+    w = label_weights(labels, gamma)
+    unary = logits.float() if selector is None else selector.unary(logits)
+    ce = F.cross_entropy(unary.reshape(-1, unary.shape[-1]), labels.reshape(-1), reduction="none",
+                         ignore_index=IGNORE)
+    loss = (ce * w.reshape(-1)).sum()
+    if selector is not None and selector_alpha:
+        top, candidates = selector.top_candidates(unary, vocab_ids)  # [nb, B-1, K]
+        previous = torch.cat([block_ids[:, :1], token_labels[:, :-1].clamp(min=0)], 1)  # a past-end label has weight 0
+        scores = selector.scores(selector.gate(hidden), top, candidates, previous)
+        is_label = candidates == token_labels[..., None]
+        covered = is_label.any(-1)
+        ce_sel = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), is_label.float().argmax(-1).reshape(-1),
+                                 reduction="none")
+        loss = loss + selector_alpha * (ce_sel * (w * covered).reshape(-1)).sum()
+    return loss, w.sum(), correct
+
+
+def most_frequent_tokens(records, vocab_size: int, k: int):
+    """(sorted ids of the k most frequent response tokens of `records`, their share of all
+    response tokens)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(torch.tensor(r["input_ids"][r["response_start"]:]), minlength=vocab_size)
+    ids = counts.topk(min(k, vocab_size)).indices.sort().values
+    return ids, counts[ids].sum().item() / max(1, counts.sum().item())
+
+
+class LossVocab:
+    """A token subset of the vocabulary: the softmax of the loss runs over it instead of the
+    whole vocabulary (the frozen LM head's rows are most of the FLOPs per slot), and the
+    drafter trained so drafts from it (its draft vocabulary, saved with the checkpoint).
+    The held-out tau drafts from it too, as inference does."""
+
+    def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
+        self.ids = ids.to(lm_head_weight.device)
+        self.lm_head_rows = lm_head_weight.detach()[self.ids].contiguous()
+        self._map = torch.full((lm_head_weight.shape[0],), IGNORE, dtype=torch.long, device=self.ids.device)
+        self._map[self.ids] = torch.arange(self.ids.numel(), device=self.ids.device)
+
+    def remap(self, labels: torch.Tensor) -> torch.Tensor:
+        return torch.where(labels == IGNORE, IGNORE, self._map[labels.clamp(min=0)])
+
+
+def label_weights(labels: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[nb, B-1] loss weights of the labelled slots (0 past the end)."""
+    w = loss_weights(labels.shape[1] + 1, gamma, device=labels.device)
+    return w[None, :] * (labels != IGNORE)
+
+
+def tau_of(correct: torch.Tensor) -> float:
+    """Expected tokens per draft step from a per-block correctness matrix [nb, B-1]: the
+    accepted prefix of each block (drafts right up to the first miss) plus the target's
+    own token."""
+    return 1 + torch.cumprod(correct.float(), -1).sum(-1).mean().item()
