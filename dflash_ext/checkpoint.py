@@ -26,8 +26,8 @@ import torch
 
 from .config import DFlashConfig
 
-__all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint", "torch_dtype", "WEIGHTS_NAME", "CONFIG_NAME",
-           "ACCEPTANCE_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_INDEX_NAME", "write_folder_atomically",
+__all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint", "check_weights", "torch_dtype", "WEIGHTS_NAME",
+           "CONFIG_NAME", "ACCEPTANCE_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_INDEX_NAME", "write_folder_atomically",
            "write_file_atomically"]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -56,8 +56,13 @@ class Checkpoint:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the weights were written in."""
-        return next(iter(self.state.values())).dtype
+        """The dtype the weights were written in: the one that holds most of their elements
+        (a bf16 checkpoint with a norm kept in fp32 is a bf16 checkpoint; a tie goes to the
+        wider dtype). A load under dtype=None/"auto" casts every weight to it."""
+        elements: Dict[torch.dtype, int] = {}
+        for t in self.state.values():
+            elements[t.dtype] = elements.get(t.dtype, 0) + t.numel()
+        return max(elements, key=lambda d: (elements[d], torch.finfo(d).bits))
 
 
 def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only: Optional[bool] = None,
@@ -154,14 +159,24 @@ def _read_weights(path: str) -> Dict[str, torch.Tensor]:
                 raise ValueError(f"drafter checkpoint {file} does not hold the tensors {WEIGHTS_INDEX_NAME} "
                                  f"maps to it: missing {sorted(mapped - set(tensors))[:8]}, "
                                  f"not in the index {sorted(set(tensors) - mapped)[:8]}")
-        for name, t in tensors.items():
-            if t.is_floating_point():
-                bad = int((~torch.isfinite(t)).sum())
-                if bad:
-                    raise ValueError(f"drafter checkpoint {file}: tensor {name} has {bad} non-finite values "
-                                     f"(NaN/inf)")
+        check_weights(tensors, f"drafter checkpoint {file}")
         state.update(tensors)
     return state
+
+
+def check_weights(state: Dict[str, torch.Tensor], where: str) -> None:
+    """ValueError (starting with `where`) unless every tensor is floating point and finite:
+    a drafter has no integer or bool weights (read as numbers they would load as 0/1 or fail
+    in a cast without a name), and a NaN or inf weight drafts garbage that verification would
+    only hide as a slow run. Loads and saves apply the same rule, so a save never writes
+    what a load refuses."""
+    for name, t in state.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{where}: tensor {name} is {str(t.dtype).replace('torch.', '')}; "
+                             f"a drafter's weights are floating point")
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{where}: tensor {name} has {bad} non-finite values (NaN/inf)")
 
 
 def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Tensor],
@@ -184,7 +199,13 @@ def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Ten
     extra_files = dict(extra_files or {})
     if not overwrite:
         _refuse_foreign_folder(path, set(extra_files))
+    # What a load would refuse is refused before anything is written: the old folder stays.
+    check_weights(state, f"refusing to save the drafter checkpoint {path}")
     d = config.to_json_dict()
+    try:
+        DFlashConfig.from_json_dict(json.loads(json.dumps(d)), source=os.path.join(path, CONFIG_NAME))
+    except ValueError as e:
+        raise ValueError(f"refusing to save the drafter checkpoint {path}: its config would not load: {e}") from e
     d["torch_dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
     files: Dict[str, Union[bytes, Callable[[str], None]]] = {
         CONFIG_NAME: json.dumps(d, indent=2).encode(),

@@ -275,12 +275,13 @@ class DFlashConfig:
         need(dflash, "mask_token_id", "dflash_config.")
         _check_json_fields(d, dflash, {**_FIELD_RULES, **_DFLASH2_RULES} if dflash2 else _FIELD_RULES)
         v2 = {}
-        if dflash2:  # dflash_config first, then the top level (the authors' code)
+        if dflash2:  # in dflash_config or at the top level (the authors' code reads both)
             for key in DFLASH2_FIELDS:
-                v2[key] = dflash[key] if key in dflash else need(d, key, "dflash_config.")
+                v2[key] = _in_either_place(d, dflash, key) if key in dflash or key in d \
+                    else need(d, key, "dflash_config.")
             for key in _DFLASH2_LOGIT_FIELDS:
                 if key in dflash or key in d:
-                    v2[key] = dflash.get(key, d.get(key))
+                    v2[key] = _in_either_place(d, dflash, key)
             if v2.get("output_multiplier") is None:
                 v2["output_multiplier"] = 1.0
         qwen3 = {k: d[k] for k in _QWEN3_KEYS if k in d}
@@ -295,7 +296,8 @@ class DFlashConfig:
             num_target_layers=d["num_target_layers"],
             target_layer_ids=list(dflash.get("target_layer_ids") or []),
             mask_token_id=dflash["mask_token_id"],
-            block_size=dflash.get("block_size", d.get("block_size", 16)),
+            block_size=_in_either_place(d, dflash, "block_size") if "block_size" in dflash or "block_size" in d
+            else 16,
             draft_vocab_size=dflash.get("draft_vocab_size"),
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
@@ -333,6 +335,16 @@ class DFlashConfig:
             setattr(config, k, v)
         config.__post_init__()
         return config
+
+
+def _in_either_place(d: dict, dflash: dict, key: str):
+    """A field the readers take from dflash_config or the top level: where both give it they
+    must agree (null is a value: a null in one place and a number in the other is no rule
+    any reader shares), so no value is silently dropped."""
+    if key in dflash and key in d and dflash[key] != d[key]:
+        raise ValueError(f"dflash_config.{key}={dflash[key]!r} and the top-level {key}={d[key]!r} disagree: "
+                         f"give it once, or the same value in both")
+    return dflash[key] if key in dflash else d[key]
 
 
 def target_text_config(config):

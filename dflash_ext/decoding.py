@@ -18,6 +18,7 @@ from softmax(scores / T) over each slot's top-K candidates and verify with rejec
 sampling against that q (accept with min(1, p/q), else resample from the residual), which
 accepts more often than matching a greedy draft; that is not implemented here.
 """
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional
@@ -78,7 +79,11 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
     the temperature / top-k / top-p processed distribution."""
     if temperature <= 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    # Shifted by the row maximum and divided in float64, every finite temperature > 0 is
+    # finite math: one so small that logits / T would overflow float32 (inf - inf = NaN in the
+    # softmax) gives -inf to every token below the maximum, the greedy limit (ties shared).
+    logits = logits.double()
+    logits = ((logits - logits.amax(-1, keepdim=True)) / temperature).float()
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -86,6 +91,7 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and the most likely token whatever top_p is (below float32's range it reads as 0)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -158,8 +164,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
     """Clear errors for sampling parameters outside their ranges."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if not 0 <= temperature < math.inf:  # also rejects NaN
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not 0 < top_p <= 1:

@@ -1,6 +1,7 @@
 """The command line's typed arguments (argparse ``type=`` callables) and the usage errors a
 command finds once it reads the data or the model's config (:class:`UsageError`)."""
 import argparse
+import json
 import math
 import os
 
@@ -60,10 +61,31 @@ def output_dir(text):
 
 
 def output_file(text):
+    """A file the command will write at its end: tried now (opened for appending, and removed
+    again if it was not there), so that a path it cannot write fails before the work."""
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text}: is a directory" if os.path.isdir(text)
                                          else f"{text}: no such directory {folder}")
+    existed = os.path.lexists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({e.strerror})") from None
+    if not existed:
+        os.remove(text)
+    return text
+
+
+def prompt_text(text):
+    """--prompt: text UTF-8 can encode (bytes of the command line that are not UTF-8 reach
+    Python as lone surrogates, which the tokenizer would reject with a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = text[e.start].encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 (byte 0x{byte.hex()} at character {e.start})") from None
     return text
 
 
@@ -115,14 +137,32 @@ def _is_nonempty_dir(path) -> bool:
     return os.path.isdir(path) and bool(os.listdir(path))
 
 
-def _target_layer_count(target) -> int:
-    """The decoder layers of --target (None: the embedded default), from its config alone."""
+def _target_text_config(target):
+    """The text config of --target (None: the embedded default), read without its weights."""
     from transformers import AutoConfig
 
     from ..config import target_text_config
     from ..models import default_target_path
 
-    return target_text_config(AutoConfig.from_pretrained(target or default_target_path())).num_hidden_layers
+    return target_text_config(AutoConfig.from_pretrained(target or default_target_path()))
+
+
+def _target_layer_count(target) -> int:
+    """The decoder layers of --target (None: the embedded default), from its config alone."""
+    return _target_text_config(target).num_hidden_layers
+
+
+def _drafter_config(flag, folder):
+    """The DFlashConfig of the drafter folder `folder` (its config.json alone, no weights read);
+    one that would not load is a usage error naming `flag`."""
+    from ..config import DFlashConfig
+
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            return DFlashConfig.from_json_dict(json.load(f), source=path)
+    except ValueError as e:  # not JSON (json.JSONDecodeError), or a value the config refuses
+        raise UsageError(f"argument {flag}: {e}") from None
 
 
 def _check_drafter_fits(drafter, target_config) -> None:

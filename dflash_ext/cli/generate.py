@@ -30,8 +30,11 @@ def _print_stats(name, res):
     s = res.summary()
     print(f"\n--- {name}: {s['new_tokens']} tokens in {s['total_s']:.2f} s = {s['tokens_per_second']:.1f} tok/s, "
           f"time to first token {1e3 * s['time_to_first_token_s']:.0f} ms", file=sys.stderr)
-    if s["block_size"] > 1:
-        steps = max(1, s["steps"])
+    if s["block_size"] > 1 and not s["steps"]:
+        print("    no speculative step ran: the prefill's token was the whole answer (--max-new-tokens or a "
+              "stop token), so there is no tau and nothing drafted", file=sys.stderr)
+    elif s["block_size"] > 1:
+        steps = s["steps"]
         print(f"    tau = {s['tau']:.2f} over {s['steps']} steps (block size {s['block_size']}); "
               f"acceptance histogram (steps that accepted 0..B-1 drafts): {s['histogram']}", file=sys.stderr)
         print(f"    per step: draft {1e3 * s['draft_s'] / steps:.1f} ms, verify {1e3 * s['verify_s'] / steps:.1f} ms, "
@@ -160,7 +163,11 @@ def cmd_generate(args):
         report["speedup"] = ratio(res)
         print(f"\n=== {_name(dtype)} on {where}, against the target alone run the fastest way measured here ({name}, "
               f"{base.tokens_per_second:.1f} tok/s):", file=sys.stderr)
-        if args.block_size > 1:
+        if args.block_size > 1 and not res.acceptance_lengths:  # both runs were the prefill alone: no ratio
+            report["speedup"] = None
+            print("    no DFlash speedup to show: the answer was the prefill's token alone, which both runs compute "
+                  "the same way (no speculative step ran)", file=sys.stderr)
+        elif args.block_size > 1:
             print(f"    DFlash (block size {args.block_size}, tau {res.tau:.2f}): {res.tokens_per_second:.1f} tok/s = "
                   f"{report['speedup']:.2f}x", file=sys.stderr)
         else:

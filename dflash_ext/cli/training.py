@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .args import UsageError, _check_drafter_fits, _check_layer_ids, _data_records, _is_nonempty_dir, \
-    _target_layer_count
+from .args import UsageError, _check_drafter_fits, _check_layer_ids, _data_records, _drafter_config, \
+    _is_nonempty_dir, _target_layer_count, _target_text_config
 
 
 def train_run_config(args):
@@ -22,7 +22,7 @@ def train_run_config(args):
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:  # only the flags given (not None): a resumed run takes the saved run's value of the others
-        cfg, _ = run_config({k: v for k, v in vars(args).items() if k in fields and v is not None})
+        cfg, resume = run_config({k: v for k, v in vars(args).items() if k in fields and v is not None})
     except ValueError as e:  # the message names the flag (--out, or the flag that differs from the saved run)
         raise UsageError(str(e)) from None
     records = _data_records("--data", cfg.data)
@@ -38,12 +38,7 @@ def train_run_config(args):
         raise UsageError("argument --eval-every: measures tau on held-out records, and --holdout holds none out")
     if cfg.layer_ids:
         _check_layer_ids(cfg.layer_ids, _target_layer_count(args.target))
-    if cfg.num_layers is not None and cfg.init not in ("random", "target"):
-        with open(os.path.join(cfg.init, "config.json")) as f:
-            init_layers = json.load(f)["num_hidden_layers"]
-        if cfg.num_layers < init_layers:
-            raise UsageError(f"argument --num-layers: --init {cfg.init} has {init_layers} layers; a continuation "
-                             f"can add layers, not drop them, got {cfg.num_layers}")
+    _check_drafter_settings(args, cfg, resume)
     cached = cfg.features == "cached" or (cfg.features == "auto" and len(FeatureStore(cfg.data)))
     if cfg.extra_data and cached:
         raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
@@ -52,6 +47,51 @@ def train_run_config(args):
     if cfg.batch_size % world:
         raise UsageError(f"argument --batch-size: {cfg.batch_size} is not a multiple of the {world} processes")
     return cfg
+
+
+def _check_drafter_settings(args, cfg, resume: bool) -> None:
+    """What the drafter a run trains must fit, checked from the configs before anything loads:
+    a continued drafter (--init DIR) reads the run's target layers and takes its block size;
+    the selector flags apply to a DFlash2 run only, one continuing a DFlash2 drafter keeps its
+    selector, and the selector's K candidates fit the vocabulary and the loss vocabulary."""
+    import dataclasses
+
+    from ..training.train_config import run_layer_ids
+
+    init = None if resume or cfg.init in ("random", "target") else _drafter_config("--init", cfg.init)
+    if init is not None:
+        if cfg.num_layers is not None and cfg.num_layers < init.num_hidden_layers:
+            raise UsageError(f"argument --num-layers: --init {cfg.init} has {init.num_hidden_layers} layers; a "
+                             f"continuation can add layers, not drop them, got {cfg.num_layers}")
+        layers = run_layer_ids(cfg, _target_layer_count(args.target))
+        if list(init.target_layer_ids) != list(layers):
+            source = "--layer-ids" if cfg.layer_ids else "the data's meta.json or the default rule"
+            raise UsageError(f"argument --init: {cfg.init} reads target layers {list(init.target_layer_ids)}, the "
+                             f"run reads {list(layers)} ({source})")
+        try:
+            dataclasses.replace(init, block_size=cfg.block_size)
+        except ValueError as e:
+            raise UsageError(f"argument --block-size: {cfg.block_size} does not fit --init {cfg.init}: {e}") from None
+    dflash2 = cfg.dflash2 or (init is not None and init.is_dflash2)
+    given = [f for f in ("selector_rank", "selector_top_k", "selector_alpha") if getattr(args, f, None) is not None]
+    if given and not dflash2 and not resume:
+        raise UsageError(f"argument --{given[0].replace('_', '-')}: a DFlash2 setting; this run trains DFlash "
+                         f"(v1): pass --dflash2, or --init a DFlash2 drafter")
+    if not dflash2:
+        return
+    if init is not None and init.is_dflash2:
+        for field in ("selector_rank", "selector_top_k"):
+            if getattr(args, field, None) not in (None, getattr(init, field)):
+                raise UsageError(f"argument --{field.replace('_', '-')}: --init {cfg.init} is a DFlash2 drafter "
+                                 f"with {field} {getattr(init, field)}, which a continuation keeps; got "
+                                 f"{getattr(args, field)}")
+    k = init.selector_top_k if init is not None and init.is_dflash2 else cfg.selector_top_k
+    vocab = _target_text_config(args.target).vocab_size
+    if k > vocab:
+        raise UsageError(f"argument --selector-top-k: the target's vocabulary has {vocab} tokens, got {k}")
+    if cfg.loss_vocab and cfg.loss_vocab < k:
+        raise UsageError(f"argument --loss-vocab: DFlash2's selector picks K = {k} candidates among the draft "
+                         f"vocabulary, so it needs at least {k} tokens (or 0: all), got {cfg.loss_vocab}")
 
 
 def resolve_dtype(name: str, device) -> torch.dtype:
@@ -115,7 +155,10 @@ def cmd_train(args):
     if world > 1:  # launched by torchrun
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     target, _ = load_target(args.target, device=args.device, tokenizer=False)
-    train(cfg, target, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        train(cfg, target, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except FloatingPointError as e:  # a diverged run: stopped, its last good checkpoint kept
+        raise SystemExit(f"python -m dflash_ext train: {e}") from None
     if world > 1:
         dist.destroy_process_group()
 
@@ -158,6 +201,13 @@ def cmd_export(args):
         if args.data is None:
             raise UsageError("argument --draft-vocab: K > 0 needs --data (the training data folder whose "
                              "response tokens are counted)")
+        src = _drafter_config("--src", args.src)
+        if args.draft_vocab > src.vocab_size:
+            raise UsageError(f"argument --draft-vocab: {args.src} has a vocabulary of {src.vocab_size} "
+                             f"tokens, got K = {args.draft_vocab}")
+        if src.is_dflash2 and args.draft_vocab < src.selector_top_k:
+            raise UsageError(f"argument --draft-vocab: {args.src} is a DFlash2 drafter whose selector picks "
+                             f"{src.selector_top_k} candidates among the draft vocabulary, got K = {args.draft_vocab}")
         all_records = _data_records("--data", args.data)
         records, _ = split_holdout(all_records, args.holdout)
         if not records:  # counting nothing would pick token ids 0..K-1
@@ -167,9 +217,6 @@ def cmd_export(args):
     if args.draft_vocab == 0:
         drafter.set_draft_vocab(None)
     elif args.draft_vocab is not None:
-        if args.draft_vocab > drafter.config.vocab_size:
-            raise UsageError(f"argument --draft-vocab: {args.src} has a vocabulary of {drafter.config.vocab_size} "
-                             f"tokens, got K = {args.draft_vocab}")
         ids, coverage = most_frequent_tokens(records, drafter.config.vocab_size, args.draft_vocab)
         drafter.set_draft_vocab(ids)
         print(f"[dflash_ext] draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f} % of the response "

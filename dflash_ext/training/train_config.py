@@ -2,6 +2,7 @@
 (:func:`run_config`): a saved run is resumed with its own settings, a flag that would change
 it is refused by name, a folder holding something else is not written over without
 ``overwrite``. The loop that runs it is :mod:`dflash_ext.training.trainer`."""
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
@@ -109,3 +110,17 @@ def run_config(values: Dict[str, Any]) -> Tuple[TrainConfig, bool]:
                              f"this one asks for {value!r}: leave {_flag(name)} out to resume the saved run, or "
                              f"pass --overwrite to start over (or use another --out)")
     return TrainConfig(**{**saved, **given}), True
+
+
+def run_layer_ids(cfg: TrainConfig, num_target_layers: int) -> List[int]:
+    """The target layers a run reads: --layer-ids, else the data's meta.json (the layers its
+    cached features are of), else the default rule for the target's `num_target_layers`."""
+    from ..config import default_target_layer_ids
+
+    if cfg.layer_ids:
+        return list(cfg.layer_ids)
+    meta = os.path.join(cfg.data, "meta.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            return json.load(f)["target_layer_ids"]
+    return default_target_layer_ids(num_target_layers, cfg.num_layers or FRESH_LAYERS)

@@ -21,6 +21,7 @@ all importable from here too.
 """
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -32,14 +33,15 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import default_target_layer_ids, target_text_config
+from ..config import target_text_config
 from ..drafter import DFlashDrafter
 from ..hardware import fastest_dtype
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
 from .loss import FrozenTargetParts, LossVocab, label_weights, most_frequent_tokens, sequence_loss, tau_of
 from .recipe import IGNORE, block_labels, default_gamma, sample_anchors
 from .train_config import (EVAL_LOG, FRESH_LAYERS, MAY_CHANGE_ON_RESUME, PATH_FIELDS, STATE_NAME,  # noqa: F401
-                           TrainConfig, _comparable, _flag, _refuse_foreign_out, _saved_run, run_config)
+                           TrainConfig, _comparable, _flag, _refuse_foreign_out, _saved_run, run_config,
+                           run_layer_ids)
 
 __all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
            "init_layers_from_target", "most_frequent_tokens"]
@@ -64,17 +66,6 @@ def _dist_info():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _layer_ids(cfg: TrainConfig, target) -> List[int]:
-    if cfg.layer_ids:
-        return list(cfg.layer_ids)
-    meta = os.path.join(cfg.data, "meta.json")
-    if os.path.exists(meta):
-        with open(meta) as f:
-            return json.load(f)["target_layer_ids"]
-    return default_target_layer_ids(target_text_config(target.config).num_hidden_layers,
-                                    cfg.num_layers or FRESH_LAYERS)
 
 
 class _Features:
@@ -184,7 +175,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     local_batch = cfg.batch_size // world
     dev_type = torch.device(device).type
     use_autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and fastest_dtype(device) == torch.bfloat16)
-    layer_ids = _layer_ids(cfg, target)
+    layer_ids = run_layer_ids(cfg, target_text_config(target.config).num_hidden_layers)
     if use_autocast:  # live features and the frozen parts on bf16 weights (a copy: the caller's stays)
         target = copy.deepcopy(target).to(torch.bfloat16)
     features = _Features(cfg, target, layer_ids, device, torch.float32)
@@ -220,7 +211,8 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
                 drafter.add_layers(cfg.num_layers - have)  # zero-output layers: the drafter starts unchanged
             # The layers do not depend on B, so a run may retarget a drafter to another block size.
             if drafter.config.block_size != cfg.block_size:
-                drafter.config.block_size = cfg.block_size
+                dataclasses.replace(drafter.config, block_size=cfg.block_size)  # the config's own checks
+                drafter.config.block_size = cfg.block_size  # in place: the layers share the object
                 drafter.acceptance_profile = None  # measured at the old B; the first eval remeasures it
         elif cfg.init != "random":
             raise ValueError(f"init must be random, target or a drafter folder, got {cfg.init!r}")
@@ -264,7 +256,10 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         + (f"; loss and draft vocabulary {vocab.ids.numel()} tokens ({100 * coverage:.2f} % of response tokens)"
            if vocab else ""))
 
+    saved_step = step if resume else None  # the step of the checkpoint in cfg.out
+
     def save():
+        nonlocal saved_step
         if rank != 0:
             return
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
@@ -275,6 +270,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         # One swap for the checkpoint and the trainer's files: a kill leaves a resumable run. The
         # folder was checked by run_config (a saved run, or replaced on purpose): it goes as a whole.
         drafter.save_pretrained(cfg.out, extra_files=extra, overwrite=True)
+        saved_step = step
 
     def evaluate():
         if rank != 0 or not heldout:
@@ -317,7 +313,13 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
             n_slots = int((block_labels(ids, anchors, cfg.block_size) != IGNORE).sum())
             seen_slots += n_slots * world
             window_slots += n_slots
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+        if not math.isfinite(grad_norm):  # the same on every rank (all-reduced); the weights stay finite
+            raise FloatingPointError(
+                f"step {step + 1}: the loss or its gradient is not finite (loss {loss_sum:.4g}, gradient norm "
+                f"{grad_norm}): the run stopped before this update; {cfg.out} keeps the checkpoint of its last "
+                f"save{f' (step {saved_step})' if saved_step is not None else ' (none yet)'}; a smaller lr "
+                f"(now {cfg.lr:g}) may help")
         opt.step()
         sched.step()
         step += 1

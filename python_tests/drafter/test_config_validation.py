@@ -62,6 +62,8 @@ BAD_VALUES = {
     "block_size float": (top(block_size=4.7), "block_size"),
     "block_size 4.0": (top(block_size=4.0), "block_size"),
     "dflash_config.block_size float": (inner(block_size=4.7), "dflash_config.block_size"),
+    "block_size in both places, differently": (inner(block_size=8),
+                                               "dflash_config.block_size=8 and the top-level block_size=4 disagree"),
     "target_layer_ids duplicate": (inner(target_layer_ids=[1, 1, 14, 20, 27]), "dflash_config.target_layer_ids"),
     "target_layer_ids float": (inner(target_layer_ids=[1.5, 8, 14, 20, 27]), "dflash_config.target_layer_ids"),
     "target_layer_ids not a list": (inner(target_layer_ids="1,8"), "dflash_config.target_layer_ids"),

@@ -60,6 +60,13 @@ BAD_VALUES = {
        for value in (0, -1.0, float("inf"), "20", True)},
     "input_embedding_scale 2 (not supported)": (inner(input_embedding_scale=2.0), "input_embedding_scale"),
     "output_multiplier at the top level": (lambda d: d.update(output_multiplier=0.0), "output_multiplier"),
+    # given in both places, differently: no reader's rule is shared, so none is taken silently
+    "softcap at the top level beside a null one": (
+        lambda d: (d["dflash_config"].update(final_logit_softcapping=None), d.update(final_logit_softcapping=30.0)),
+        "dflash_config.final_logit_softcapping=None and the top-level final_logit_softcapping=30.0 disagree"),
+    "selector_top_k in both places, differently": (lambda d: d.update(selector_top_k=2),
+                                                   "dflash_config.selector_top_k=4 and the top-level selector_top_k=2"),
+    "output_multiplier in both places, differently": (lambda d: d.update(output_multiplier=1.0), "output_multiplier"),
 }
 
 
@@ -83,6 +90,14 @@ def test_the_fields_are_read_from_the_top_level_too(checkpoint):
     assert DFlashConfig.from_json_dict(d).output_multiplier == 1.0
     d["dflash_config"]["input_embedding_scale"] = 1.0  # the neutral value loads
     DFlashConfig.from_json_dict(d)
+
+
+def test_a_field_given_twice_with_the_same_value_loads(checkpoint):
+    d = json.loads((checkpoint / CONFIG_NAME).read_text())
+    for key in ("conv_kernel_size", "selector_top_k", "final_logit_softcapping", "output_multiplier"):
+        d[key] = d["dflash_config"][key]
+    c = DFlashConfig.from_json_dict(d)
+    assert (c.conv_kernel_size, c.selector_top_k, c.final_logit_softcapping, c.output_multiplier) == (2, 4, 20.0, 0.5)
 
 
 @pytest.mark.parametrize("field,value", [("conv_kernel_size", 2), ("selector_top_k", 4), ("selector_rank", 8),
