@@ -54,7 +54,7 @@ RESULT_NAME = "gpu_train.json"
 EXPORT_NAME = "drafter.tar"
 EXPORT_PART_MIB = 15  # $OUT brings back files of at most 16 MiB
 STEP_LINE = re.compile(r"\[train\] step (\d+)/(\d+) .* (\d+) slot-tokens/s")
-EVAL_LINE = re.compile(r"\[eval\] step (\d+) slot-tokens (\d+) held-out tau ([0-9.]+)")
+EVAL_LINE = re.compile(r"\[eval\] step (\d+) slot-tokens (\d+) held-out tau ([0-9.]+) \((\d+)s\)")
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -202,7 +202,7 @@ class TrainWatch:
         self.train_dir, self.log, self.export, self.stop_at = train_dir, log, export, stop_at
         self.start = time.time()
         self.steps: List[Tuple[float, int, int]] = []  # (time, step, the line's slot-tokens/s)
-        self.evals: List[Tuple[float, float]] = []  # (time, tau)
+        self.evals: List[Tuple[float, int, float, int]] = []  # (time, step, tau, the line's whole seconds)
         self._saved = None
 
     def saved_checkpoint(self):
@@ -229,7 +229,7 @@ class TrainWatch:
             self.steps.append((now, int(m.group(1)), int(m.group(3))))
         e = EVAL_LINE.search(msg)
         if e:
-            self.evals.append((now, float(e.group(3))))
+            self.evals.append((now, int(e.group(1)), float(e.group(3)), int(e.group(4))))
         if m or e:
             self.export_if_new()
         if m and self.stop_at is not None and now > self.stop_at:  # on a step line: the run has begun
@@ -399,11 +399,16 @@ def run(args) -> dict:
     watch.export_if_new()  # the final save
     rates = [r for _, _, r in watch.steps]
     last = exports[-1] if exports else {"step": 0, "slot_tokens": 0}
+    eval_total = sum(s for _, _, _, s in watch.evals)
     save_result(status=status, train={
         "wall_s": round(train_s, 1), "steps": last["step"], "slot_tokens": last["slot_tokens"],
-        "slot_tokens_per_s": round(last["slot_tokens"] / train_s, 1) if train_s else None,
+        # over the whole run (start-up, evaluations, saves and exports included), without the
+        # evaluations (their whole seconds), and the median of the trainer's own log lines
+        "slot_tokens_per_s": round(last["slot_tokens"] / train_s, 1),
+        "slot_tokens_per_s_without_evals": round(last["slot_tokens"] / max(train_s - eval_total, 1e-9), 1),
         "slot_tokens_per_s_median_log_line": statistics.median(rates) if rates else None,
-        "heldout_tau": [tau for _, tau in watch.evals], "config": {k: v for k, v in vars(cfg).items()}})
+        "heldout_tau": [{"step": st, "tau": tau} for _, st, tau, _ in watch.evals],
+        "eval_s": eval_total, "config": dict(vars(cfg))})
     log(f"[gpu_train] {status}; {json.dumps(result['train'])}")
     return result
 

