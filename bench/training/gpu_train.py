@@ -250,7 +250,8 @@ def export_checkpoint(train_dir: str, out_dir: str, work_dir: str) -> dict:
     step and slot-tokens of that checkpoint."""
     from dflash_ext.drafter import DFlashDrafter
 
-    state = torch.load(os.path.join(train_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    state = torch.load(os.path.join(train_dir, "trainer_state.pt"), weights_only=False, mmap=True,
+                       map_location="cpu")  # the optimizer state stays off the GPU
     info = {"step": state["step"], "slot_tokens": state.get("slot_tokens", 0)}
     drafter = DFlashDrafter.from_pretrained(train_dir)
     extra = {}
