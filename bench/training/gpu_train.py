@@ -196,10 +196,12 @@ class OutOfTime(Exception):
 class TrainWatch:
     """The log callback of ``train``: prints and keeps every line, times the step lines,
     exports each new checkpoint of the run's folder as it appears, and stops the run at
-    `stop_at` (time.time()) by raising OutOfTime."""
+    `stop_at` (time.time()) by raising OutOfTime, once it has saved a checkpoint (a run
+    stopped before its first save would return nothing), or `grace` seconds later
+    regardless."""
 
-    def __init__(self, train_dir: str, log=print, export=None, stop_at: float = None):
-        self.train_dir, self.log, self.export, self.stop_at = train_dir, log, export, stop_at
+    def __init__(self, train_dir: str, log=print, export=None, stop_at: float = None, grace: float = 0.0):
+        self.train_dir, self.log, self.export, self.stop_at, self.grace = train_dir, log, export, stop_at, grace
         self.start = time.time()
         self.steps: List[Tuple[float, int, int]] = []  # (time, step, the line's slot-tokens/s)
         self.evals: List[Tuple[float, int, float, int]] = []  # (time, step, tau, the line's whole seconds)
@@ -232,7 +234,8 @@ class TrainWatch:
             self.evals.append((now, int(e.group(1)), float(e.group(3)), int(e.group(4))))
         if m or e:
             self.export_if_new()
-        if m and self.stop_at is not None and now > self.stop_at:  # on a step line: the run has begun
+        if m and self.stop_at is not None and now > self.stop_at \
+                and (self.saved_checkpoint() is not None or now > self.stop_at + self.grace):
             raise OutOfTime(f"deadline reached at step {m.group(1)}")
 
     def step_seconds(self, skip: int = 2) -> float:
@@ -384,7 +387,7 @@ def run(args) -> dict:
         save_result(exported=info)
         log(f"[gpu_train] exported step {info['step']} ({info['slot_tokens']} slot-tokens) to {args.out}")
 
-    watch = TrainWatch(train_dir, log, export, stop_at=train_end + args.final_reserve / 3)
+    watch = TrainWatch(train_dir, log, export, stop_at=train_end + args.final_reserve / 3, grace=args.save_seconds)
     cfg = recipe_config(args, heldout_dir, gen.out_dir, train_dir, layer_ids, max_steps=steps,
                         log_every=args.log_every, eval_every=max(1, steps // max(1, args.evals)),
                         save_every=max(1, int(args.save_seconds / step_s)))

@@ -230,3 +230,17 @@ def test_a_run_stopped_at_its_deadline_leaves_the_last_saved_weights(tmp_path):
         assert json.load(f)["step"] == 1
     saved = DFlashDrafter.from_pretrained(train_dir)  # the training folder's step-1 weights, in bf16
     torch.testing.assert_close(drafter.fc.weight, saved.fc.weight.to(torch.bfloat16))
+
+
+def test_the_deadline_waits_for_a_first_save_within_its_grace(tmp_path):
+    line = "[train] step 3/9 epoch 0 loss 2.5000 lr 1.00e-04 120 slot-tokens/s"
+    watch = gpu_train.TrainWatch(str(tmp_path), log=lambda m: None, stop_at=time.time() - 1, grace=3600)
+    watch(line)  # past the deadline, nothing saved yet: the run goes on
+    watch("[eval] step 3 slot-tokens 480 held-out tau 1.250 (2s)")  # an eval line never stops it
+    (tmp_path / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(gpu_train.OutOfTime, match="at step 4"):
+        watch(line.replace("step 3/", "step 4/"))
+    assert [s for _, s, _ in watch.steps] == [3, 4] and watch.evals[0][1:] == (3, 1.25, 2)
+    late = gpu_train.TrainWatch(str(tmp_path / "none"), log=lambda m: None, stop_at=time.time() - 2, grace=1)
+    with pytest.raises(gpu_train.OutOfTime):  # past the grace too: stops without a save
+        late(line)
