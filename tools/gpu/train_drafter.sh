@@ -64,8 +64,9 @@ print(' '.join(f'{n}=={m.version(n)}' for n in ($names)))") || return 1
   # 4. one tar, cut to fit beside the working tree (1.5 MiB kept spare)
   tar -cf "$CARRY/$PAYLOAD" -C "$stage" . || return 1
   tree=$(tree_bytes) || return 1
-  part_mib=$(( (64 * MIB - tree - 3 * MIB / 2) / MIB ))
-  [ "$part_mib" -ge 4 ] || { echo "prepare: the working tree ($((tree / MIB)) MiB) leaves no room for parts" >&2; return 1; }
+  part_mib=$("$PY" -c "print(f'{($((64 * MIB - tree - 3 * MIB / 2)) - 4096) / $MIB:.2f}')")  # 4 KiB: the manifest
+  "$PY" -c "import sys; sys.exit($part_mib < 4)" || {
+    echo "prepare: the working tree ($((tree / MIB)) MiB) leaves no room for parts" >&2; return 1; }
   "$PY" -m tools.gpu.parts split "$CARRY/$PAYLOAD" "$CARRY" --part-mib "$part_mib" || return 1
   rm -rf "$stage" "$CARRY/$PAYLOAD"
   plan "$tree" "$part_mib"
