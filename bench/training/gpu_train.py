@@ -399,6 +399,8 @@ def run(args) -> dict:
         train(cfg, target, device=args.device, log=watch)
     except OutOfTime as err:
         status = f"stopped at the deadline: {err}"
+    except FloatingPointError as err:  # the trainer stops a diverging run before the bad update
+        status = f"stopped, diverging: {err}"
     train_s = time.time() - t
     watch.export_if_new()  # the final save
     rates = [r for _, _, r in watch.steps]
