@@ -28,7 +28,7 @@ import torch
 from ..checkpoint import write_file_atomically
 from ..target import cache_kwarg, returned_cache
 
-__all__ = ["generate_responses", "greedy_batch", "target_features", "compute_features", "load_records",
+__all__ = ["generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_features", "compute_features", "load_records",
            "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]
 
 META_NAME = "meta.json"
@@ -102,6 +102,25 @@ def drop_trained_prompts(heldout: List[dict], training: List[dict]) -> List[dict
     return [r for r in heldout if _prompt(r) not in seen]
 
 
+def chat_prompt_ids(tokenizer, prompt: str) -> List[int]:
+    """The token ids of `prompt` as the target's user turn, chat template applied, ready
+    for the response (as every generated record's prompt is made)."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, device=None):
+    """(input_ids, attention_mask) [len(prompts), longest]: the prompts left-padded, as
+    :func:`greedy_batch` takes them."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for r, ids in enumerate(prompts):
+        input_ids[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[r, width - len(ids):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
 @torch.no_grad()
 def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  eos_token_id: int) -> List[List[int]]:
@@ -126,7 +145,7 @@ def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         if not alive or n == max_new_tokens - 1:
             break
         if len(alive) < len(rows):
-            keep = torch.tensor(alive)
+            keep = torch.tensor(alive, device=mask.device)
             # beam search's batch index_select: every cache layer kind has it, the linear-attention
             # states of hybrid targets included (batch_select_indices is missing there)
             cache.reorder_cache(keep)
@@ -154,8 +173,7 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
     for i, p in enumerate(prompts, start=id_base):
         if i in done:
             continue
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
+        ids = chat_prompt_ids(tokenizer, p)
         if len(ids) <= max_prompt_tokens:
             todo.append((i, ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -167,12 +185,7 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
     f = None
     for b0 in range(0, len(todo), batch_size):
         batch = todo[b0:b0 + batch_size]
-        width = max(len(ids) for _, ids in batch)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for r, (_, ids) in enumerate(batch):  # left padding
-            input_ids[r, width - len(ids):] = torch.tensor(ids)
-            mask[r, width - len(ids):] = 1
+        input_ids, mask = left_padded([ids for _, ids in batch], pad)
         responses = greedy_batch(target, input_ids, mask, max_new_tokens, tokenizer.eos_token_id)
         for (i, ids), resp in zip(batch, responses):
             if written_in_shard >= shard_size:
