@@ -13,7 +13,8 @@ ORDER = [
     "hf_assistant",  # transformers' DFlash generate (drives the drafter it is given)
     "diagnostics",   # dflash_ext.info(): what was built and what runs here
     "drafter",       # modules, DraftCache, drafting, training forward
-    "target",        # the Hugging Face target adapter, cache rollback, streamed linear layers
+    "rollback",      # CacheRollback: the target cache after a rejection, every cache kind
+    "target",        # the Hugging Face target adapter, static cache, compiled passes, streamed linear layers
     "proposer",      # DFlashProposer, CUDA-graph capture, draft tokens
     "decoding",      # the step, the loop, sampling, results, choose_block_size
     "training.recipe", "training.data", "training.trainer",
