@@ -151,12 +151,17 @@ def test_only_fixed_size_passes_over_a_compileable_cache_run_compiled(monkeypatc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_cuda_compiled_verify_is_the_target_alone(family):
-    """On CUDA the verify passes and the one-token passes run captured in CUDA graphs."""
+    """On CUDA the verify passes and the one-token passes run compiled (CUDA graphs) and give
+    the target's own greedy tokens (fp32: no rounding differences between pass sizes)."""
     target = tiny_family_target(family).cuda()
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4).cuda()
     prompt = PROMPTS[1]
-    base = hf_greedy(target, prompt, NEW_TOKENS)
+    out = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, do_sample=False)
+    base = out[0, len(prompt):].tolist()
+    assert TargetRunner(target, compiled_sizes=(1,)).compiles
     assert target_generate(target, prompt, NEW_TOKENS, static_cache=True).tokens == base
     oracle = OracleProposer(base, len(prompt), target.config.vocab_size, wrong_every=2)
     for proposer, B in ((drafter, None), (oracle, 5)):
         assert spec_generate(target, proposer, prompt, NEW_TOKENS, block_size=B, static_cache=True).tokens == base
+    assert hasattr(target, "_compiled_call")  # transformers' get_compiled_call was taken
