@@ -144,12 +144,15 @@ def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def streamed_linears(*models: nn.Module, enabled: bool = True):
     """Within: every `nn.Linear` of `models` runs as :func:`linear_rows` (the verify pass
     over B tokens, the drafter's block, one-token passes). Layers that already carry their
-    own forward (another patch, a hook library) are left alone; all are restored on exit."""
+    own forward (another patch, a hook library) are left alone; all are restored on exit.
+    Layers off the CPU are left alone too: the op streams on the CPU only
+    (:func:`~dflash_ext.hardware.skinny_linear_streams`), and a compiled CUDA pass traces
+    F.linear in one graph instead of breaking at the CPU kernel's path query."""
     patched = []
     try:
         for model in models if enabled else ():
             for m in model.modules():
-                if type(m) is nn.Linear and "forward" not in m.__dict__:
+                if type(m) is nn.Linear and "forward" not in m.__dict__ and m.weight.device.type == "cpu":
                     m.forward = functools.partial(linear_rows, m)
                     patched.append(m)
         yield

@@ -148,6 +148,44 @@ def test_only_fixed_size_passes_over_a_compileable_cache_run_compiled(monkeypatc
     assert counting.sizes == []
 
 
+def test_the_compiled_passes_trace_in_one_graph_per_size(monkeypatch):
+    """What compiles on CUDA traces on the CPU: with the compiled call replaced by
+    torch.compile(fullgraph=True) over a backend that runs the captured graph eagerly, the
+    one-token pass and the verify pass of each B are one graph each, with no graph break (it
+    would raise), across generations and their new static caches, and the tokens are the
+    target's. (Linear layers off the CPU are not streamed: a CPU target here streams none.)"""
+    target = tiny_target("qwen3")
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(target_module, "compiled_call", lambda model: torch.compile(
+        model.__call__, backend=counting_backend, fullgraph=True, dynamic=False))
+    prompt = PROMPTS[1]
+    base = target_generate(target, prompt, 12).tokens
+    assert target_generate(target, prompt, 12, static_cache=True).tokens == base
+    assert len(graphs) == 1
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    oracle = OracleProposer(base, len(prompt), target.config.vocab_size, wrong_every=2)
+    for proposer, B in ((drafter, None), (drafter, None), (oracle, 5)):
+        out = spec_generate(target, proposer, prompt, 12, block_size=B, static_cache=True, stream_linears=False)
+        assert out.tokens == base
+    assert len(graphs) == 3  # the drafter's B = 4 (twice: a new cache compiles nothing), the oracle's B = 5
+    torch._dynamo.reset()
+
+
+def test_linear_layers_off_the_cpu_are_not_streamed():
+    from dflash_ext.target import streamed_linears
+
+    with torch.device("meta"):
+        layer = torch.nn.Linear(8, 8)
+    with streamed_linears(layer):
+        assert "forward" not in layer.__dict__
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_cuda_compiled_verify_is_the_target_alone(family):
