@@ -375,3 +375,14 @@ def test_gpu_e2e_small(tmp_path):
     assert oracle["ok"] and oracle["static"]["equal_prefix"] == oracle["static"]["tokens"] == 9
     assert oracle["dynamic"]["tau"] > 3
     assert "speedup(τ)" in (tmp_path / "gpu_e2e.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_e2e_script_refuses_without_cuda(tmp_path):
+    """tools/gpu/gpu_e2e.sh stops at once, before building anything, and says how to run its
+    Python part on the CPU."""
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu", "gpu_e2e.sh"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "bench.gpu_e2e --small" in proc.stderr
+    assert not (tmp_path / "out").exists()
