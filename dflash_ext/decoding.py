@@ -114,7 +114,7 @@ def _median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
 @torch.no_grad()
 def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
                       candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True,
-                      static_cache: bool = False) -> BlockSizeChoice:
+                      static_cache: bool = False, static_cache_len: Optional[int] = None) -> BlockSizeChoice:
     """The verify block size B (<= the drafter's trained block) that maximises expected
     tokens per second on this machine:
 
@@ -129,8 +129,12 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     by training); without one nothing is timed and the trained block size is kept. c(B)
     is timed here, at `context_len` tokens of context (median of 5), with the linear layers
     and the cache as :func:`spec_generate` runs them (`stream_linears`, `static_cache`: a
-    static cache, every B compiled on CUDA and warmed up before it is timed). Each timed
-    pass runs over B new tokens after the whole context, whatever the context's length."""
+    static cache of `static_cache_len` rows, default the context and the trained block; the
+    compiled graphs are shaped by it, so spec_generate passes its own. On CUDA every B is
+    compiled and warmed up before it is timed, one CUDA graph each: the candidates are then
+    thinned to powers of two and the trained block, within torch._dynamo's recompile limit
+    of 8). Each timed pass runs over B new tokens after the whole context, whatever the
+    context's length."""
     with streamed_linears(target, drafter, enabled=stream_linears):
         trained = drafter.config.block_size
         profile = getattr(drafter, "acceptance_profile", None)
@@ -138,12 +142,14 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
         if not profile:
             return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
         runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=sizes if static_cache else ())
+        if runner.compiles:
+            sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
         vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
         context_len = max(1, context_len)
         context = torch.randint(0, vocab, (1, context_len), device=runner.device)
         # The verified tokens follow the context (a prompt may be shorter than the block).
-        block = torch.randint(0, vocab, (1, max(sizes)), device=runner.device)
-        cache = new_static_cache(target, context_len + max(sizes)) if static_cache else None
+        block = torch.randint(0, vocab, (1, trained), device=runner.device)
+        cache = new_static_cache(target, static_cache_len or context_len + trained) if static_cache else None
         _, feats, cache = runner(context, cache)
         rollback = CacheRollback(cache, max(sizes))
         proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
@@ -294,7 +300,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
             trained = drafter.config.block_size
             if block_size == "auto":
                 block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears,
-                                               static_cache=static_cache).block_size
+                                               static_cache=static_cache,
+                                               static_cache_len=n_prompt + max_new_tokens + trained).block_size
             B = block_size or trained
             if not isinstance(B, int) or B < 1:
                 raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
@@ -311,12 +318,13 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                                       fused=fused, draft_window=draft_window)
             layer_ids = drafter.config.target_layer_ids
         else:
-            B, proposer = block_size, drafter
+            B, proposer, trained = block_size, drafter, 0
             layer_ids = getattr(drafter, "layer_ids", None)
         if not isinstance(B, int) or B < 1:
             raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
         runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
-        cache = new_static_cache(target, n_prompt + max_new_tokens + B) if static_cache else None
+        # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
+        cache = new_static_cache(target, n_prompt + max_new_tokens + max(B, trained)) if static_cache else None
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         res = GenerationResult(tokens=[], block_size=B)
         if streamer is not None:

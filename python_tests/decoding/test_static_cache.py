@@ -148,6 +148,26 @@ def test_only_fixed_size_passes_over_a_compileable_cache_run_compiled(monkeypatc
     assert counting.sizes == []
 
 
+def test_compiled_auto_block_size_times_powers_of_two_on_the_generation_s_cache(monkeypatch):
+    """Where the passes compile (one CUDA graph per size), choose_block_size times the powers
+    of two and the trained block only, on a static cache as long as the generation's (the
+    graphs are shaped by it: spec_generate then reuses them)."""
+    from dflash_ext import decoding
+
+    target = tiny_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=8)
+    drafter.acceptance_profile = [0.9] * 7
+    monkeypatch.setattr(target_module, "compiled_call", lambda model: CountingCall(model))
+    monkeypatch.setattr(decoding, "_median_seconds", lambda fn, reps=5, warmup=0: (fn(), 1e-3)[1])  # B = 8: no noise
+    lengths, real = [], decoding.new_static_cache
+    monkeypatch.setattr(decoding, "new_static_cache", lambda model, rows: (lengths.append(rows), real(model, rows))[1])
+    assert set(choose_block_size(target, drafter, 12, static_cache=True).step_seconds) == {1, 2, 4, 8}
+    prompt = PROMPTS[1]
+    out = spec_generate(target, drafter, prompt, 20, block_size="auto", static_cache=True)
+    assert lengths[-2:] == [len(prompt) + 20 + 8] * 2
+    assert out.tokens == target_generate(target, prompt, 20).tokens
+
+
 def test_the_compiled_passes_trace_in_one_graph_per_size(monkeypatch):
     """What compiles on CUDA traces on the CPU: with the compiled call replaced by
     torch.compile(fullgraph=True) over a backend that runs the captured graph eagerly, the
