@@ -29,7 +29,7 @@ from torch import nn
 from .config import target_text_config
 from .drafter import DFlashDrafter
 from .proposer import DFlashProposer
-from .target import CacheRollback, TargetRunner, streamed_linears
+from .target import CacheRollback, TargetRunner, static_cache as new_static_cache, streamed_linears
 
 __all__ = ["spec_generate", "target_generate", "speculative_step", "DecodeState", "GenerationResult",
            "sample_token", "check_sampling", "choose_block_size", "BlockSizeChoice"]
@@ -106,7 +106,9 @@ class BlockSizeChoice:
     profile_source: str
 
 
-def _median_seconds(fn, reps: int = 5) -> float:
+def _median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
+    for _ in range(warmup):  # compiled passes: the compile and the CUDA-graph capture are not timed
+        fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -117,7 +119,8 @@ def _median_seconds(fn, reps: int = 5) -> float:
 
 @torch.no_grad()
 def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
-                      candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True) -> BlockSizeChoice:
+                      candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True,
+                      static_cache: bool = False, static_cache_len: Optional[int] = None) -> BlockSizeChoice:
     """The verify block size B (<= the drafter's trained block) that maximises expected
     tokens per second on this machine:
 
@@ -131,30 +134,43 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
     by training); without one nothing is timed and the trained block size is kept. c(B)
     is timed here, at `context_len` tokens of context (median of 5), with the linear layers
-    as :func:`spec_generate` runs them (`stream_linears`)."""
+    and the cache as :func:`spec_generate` runs them (`stream_linears`, `static_cache`: a
+    static cache of `static_cache_len` rows, default the context and the trained block; the
+    compiled graphs are shaped by it, so spec_generate passes its own. On CUDA every B is
+    compiled and warmed up before it is timed, one CUDA graph each: the candidates are then
+    thinned to powers of two and the trained block, within torch._dynamo's recompile limit
+    of 8). Each timed pass runs over B new tokens after the whole context, whatever the
+    context's length."""
     with streamed_linears(target, drafter, enabled=stream_linears):
         trained = drafter.config.block_size
         profile = getattr(drafter, "acceptance_profile", None)
         sizes = sorted({b for b in candidates if b <= trained} | {trained})
         if not profile:
             return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
-        runner = TargetRunner(target, drafter.config.target_layer_ids)
+        runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=sizes if static_cache else ())
+        if runner.compiles:
+            sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
         vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
-        ids = torch.randint(0, vocab, (1, max(1, context_len)), device=runner.device)
-        _, feats, cache = runner(ids, None)
+        context_len = max(1, context_len)
+        context = torch.randint(0, vocab, (1, context_len), device=runner.device)
+        # The verified tokens follow the context (a prompt may be shorter than the block).
+        block = torch.randint(0, vocab, (1, trained), device=runner.device)
+        cache = new_static_cache(target, static_cache_len or context_len + trained) if static_cache else None
+        _, feats, cache = runner(context, cache)
         rollback = CacheRollback(cache, max(sizes))
         proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
-        proposer.accept(feats, slice(0, ids.shape[1]), torch.arange(ids.shape[1], device=runner.device))
+        proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device))
 
         def verify(n):  # a pass over n tokens that are all rejected: the rollback is part of the step
-            runner(ids[:, :n], cache, hidden_states=n > 1, rollback=rollback)
+            runner(block[:, :n], cache, hidden_states=n > 1, rollback=rollback)
             rollback(n)
 
+        warmup = 3 if runner.compiles else 0
         expected, seconds, speed = {}, {}, {}
         for b in sizes:
             expected[b] = 1 + sum(profile[:b - 1])
             draft_s = _median_seconds(lambda: proposer.propose(1, context_len, b - 1)) if b > 1 else 0.0
-            seconds[b] = draft_s + _median_seconds(lambda: verify(b))
+            seconds[b] = draft_s + _median_seconds(lambda: verify(b), warmup=warmup)
             speed[b] = expected[b] / seconds[b]
         best = max(sizes, key=lambda b: speed[b])
         return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
@@ -259,7 +275,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
                   on_tokens: Optional[Callable[[List[int]], None]] = None,
                   draft_window: Optional[int] = None, streamer=None,
-                  stream_linears: bool = True) -> GenerationResult:
+                  stream_linears: bool = True, static_cache: bool = False) -> GenerationResult:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`speculative_step`, which times and streams.
 
@@ -271,7 +287,11 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     --draft-sliding-window-size): per query on causal layers, the last N context tokens on
     bidirectional ones (:func:`~dflash_ext.drafter.effective_windows`). `stream_linears`: the linear layers
     of the target and the drafter run as :func:`linear_rows` meanwhile (:func:`streamed_linears`:
-    the verify passes, and B = 1 when that is the choice; False: F.linear everywhere)."""
+    the verify passes, and B = 1 when that is the choice; False: F.linear everywhere).
+    `static_cache`: the target's cache is a transformers StaticCache of the prompt, the budget
+    and one block (the rollback lowers its length, :mod:`dflash_ext.rollback`), and on CUDA
+    the verify passes of B tokens run compiled, captured in CUDA graphs (:func:`compiled_call`;
+    not yet run on a GPU); on the CPU the same passes run eagerly."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
@@ -285,14 +305,16 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         if isinstance(drafter, DFlashDrafter):
             trained = drafter.config.block_size
             if block_size == "auto":
-                block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears).block_size
+                block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears,
+                                               static_cache=static_cache,
+                                               static_cache_len=n_prompt + max_new_tokens + trained).block_size
             B = block_size or trained
             if not isinstance(B, int) or B < 1:
                 raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
             if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
                 return target_generate(target, ids, max_new_tokens, temperature=temperature,
                                        stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
-                                       on_tokens=on_tokens, streamer=streamer)
+                                       on_tokens=on_tokens, streamer=streamer, static_cache=static_cache)
             # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
             # Its cache is bounded by the budget but starts at the prompt and a few blocks, then
             # grows with the answer: an answer that stops early never pays for the budget.
@@ -302,11 +324,13 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                                       fused=fused, draft_window=draft_window)
             layer_ids = drafter.config.target_layer_ids
         else:
-            B, proposer = block_size, drafter
+            B, proposer, trained = block_size, drafter, 0
             layer_ids = getattr(drafter, "layer_ids", None)
         if not isinstance(B, int) or B < 1:
             raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
-        runner = TargetRunner(target, layer_ids)
+        runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
+        # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
+        cache = new_static_cache(target, n_prompt + max_new_tokens + max(B, trained)) if static_cache else None
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         res = GenerationResult(tokens=[], block_size=B)
         if streamer is not None:
@@ -315,7 +339,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
 
         start = time.perf_counter()
         clock = _PhaseClock(device)
-        logits, hidden, cache = runner(ids, None, last_logits_only=True)
+        logits, hidden, cache = runner(ids, cache, last_logits_only=True)
         clock("verify")
         state = DecodeState(cache, CacheRollback(cache, B), int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
         res.time_to_first_token = time.perf_counter() - start
@@ -342,22 +366,25 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
                     stop_token_ids: Iterable[int] = (), top_k: int = 0, top_p: float = 1.0,
                     generator: Optional[torch.Generator] = None,
                     on_tokens: Optional[Callable[[List[int]], None]] = None, streamer=None,
-                    stream_linears: bool = False) -> GenerationResult:
+                    stream_linears: bool = False, static_cache: bool = False) -> GenerationResult:
     """The target alone, one token per forward pass (the baseline, same sampling rules).
     `stream_linears`: its linear layers run through ops.skinny_linear (:func:`streamed_linears`;
-    default off: F.linear, as HF `generate` runs them)."""
+    default off: F.linear, as HF `generate` runs them). `static_cache`: a StaticCache of the
+    prompt and the budget, the one-token passes compiled on CUDA (CUDA graphs, as transformers'
+    generate runs a static cache there; not yet run on a GPU), eager on the CPU."""
     with streamed_linears(target, enabled=stream_linears):
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)
-        runner = TargetRunner(target)
+        runner = TargetRunner(target, compiled_sizes=(1,) if static_cache else ())
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         res = GenerationResult(tokens=[], block_size=1)
         if streamer is not None:
             streamer.put(ids.cpu())
         emit = _Emitter(res, max_new_tokens, stop_token_ids, on_tokens, streamer)
         start = time.perf_counter()
-        cache, done = None, False
+        cache = new_static_cache(target, ids.shape[1] + max_new_tokens) if static_cache else None
+        done = False
         while not done:
             logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)
             t = int(sample_token(logits[0, -1:], **sampling)[0])

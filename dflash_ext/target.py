@@ -2,9 +2,9 @@
 
 - :class:`TargetRunner`: one forward as the loop calls it (the cache argument's name,
   last-position logits for a prefill, only the hidden states the drafter reads);
-- :class:`CacheRollback`: roll the target's cache back after a rejection, for every cache
-  layer kind transformers has (full, sliding/chunked window, linear-attention conv and
-  recurrent states, their mixes); :func:`crop_cache` for caches that crop;
+- :func:`static_cache` / :func:`compiled_call`: the static cache and the compiled passes
+  over it (CUDA graphs through ``torch.compile``; the target itself off CUDA). The rollback
+  of every cache kind (:class:`CacheRollback`) is :mod:`dflash_ext.rollback`;
 - :func:`streamed_linears` / :func:`linear_rows`: the target's (and the drafter's) linear
   layers on few rows through ``ops.skinny_linear`` (the verify pass, the draft block).
 """
@@ -19,9 +19,10 @@ from torch import nn
 
 from . import ops
 from .hardware import skinny_linear_streams
+from .rollback import CacheRollback, crop_cache, drop_tail
 
 __all__ = ["TargetRunner", "CacheRollback", "crop_cache", "cache_kwarg", "returned_cache", "linear_rows",
-           "streamed_linears"]
+           "streamed_linears", "static_cache", "compiled_call"]
 
 
 def cache_kwarg(model) -> str:
@@ -42,15 +43,36 @@ class TargetRunner:
     (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
     are asked for where transformers can select them (5.x takes a list of indices in
     `output_hidden_states`; the tuple keeps its layout, with None elsewhere); otherwise, or
-    if the model returns None for one of them, all."""
+    if the model returns None for one of them, all.
 
-    def __init__(self, target, layer_ids: Optional[Sequence[int]] = None):
+    `compiled_sizes`: passes of these many tokens over a cache that is `is_compileable` (a
+    static one, transformers' criterion) run through :func:`compiled_call` (CUDA graphs on
+    CUDA; off CUDA the target itself); every other pass (the prefill, a shorter verify near
+    the budget) runs eagerly, as transformers' generate runs its prefill."""
+
+    def __init__(self, target, layer_ids: Optional[Sequence[int]] = None, compiled_sizes: Sequence[int] = ()):
         self.target = target
         self.device = next(target.parameters()).device
         self.cache_arg = cache_kwarg(target)
         self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
         self.needed = [l + 1 for l in layer_ids] if layer_ids else []
         self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
+        self.compiled_sizes = set(compiled_sizes)
+        self.compiled = compiled_call(target) if self.compiled_sizes else target
+
+    @property
+    def compiles(self) -> bool:
+        """Whether some passes run compiled (on CUDA, with `compiled_sizes`)."""
+        return self.compiled is not self.target
+
+    def _forward(self, n: int, cache):
+        """The compiled call for a pass of `n` tokens where it applies, else the target."""
+        if not (self.compiles and n in self.compiled_sizes and getattr(cache, "is_compileable", False)):
+            return self.target
+        # A CUDA graph's outputs live in its pool until its next replay: the loop reads each
+        # pass's logits and hidden states before the next pass, so a new step may begin here.
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled
 
     def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False,
                  rollback: Optional["CacheRollback"] = None):
@@ -63,15 +85,37 @@ class TargetRunner:
         if rollback is not None:
             rollback.check_pass(ids.shape[1])
         keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
-        out = self.target(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
+        out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
         hs = out.hidden_states
         if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
                                                       for i in self.needed):
             self.select = True  # this model cannot select: ask for all from now on, and redo this pass
             if cache is not None:
-                rollback(ids.shape[1]) if rollback is not None else _drop_tail(cache, ids.shape[1])
+                rollback(ids.shape[1]) if rollback is not None else drop_tail(cache, ids.shape[1])
             return self(ids, cache, hidden_states, last_logits_only, rollback)
         return out.logits, hs, returned_cache(out)
+
+
+def static_cache(target, max_cache_len: int):
+    """An empty transformers StaticCache for `target` (its text config: the layer kinds,
+    windows and head widths) holding up to `max_cache_len` tokens: prompt, answer and the
+    rejected rows of the last verify pass. Its shapes never change, so a pass over it can be
+    compiled and captured (:func:`compiled_call`)."""
+    from transformers import StaticCache
+
+    return StaticCache(config=target.config, max_cache_len=max_cache_len)
+
+
+def compiled_call(target):
+    """The target's forward compiled to capture CUDA graphs at fixed shapes (transformers'
+    own `get_compiled_call` with a CompileConfig of mode "reduce-overhead", as its generate
+    compiles decoding passes over a static cache); off CUDA the target itself: compiling
+    is a no-op there (the CPU path runs the same passes eagerly). Not yet run on a GPU."""
+    if next(target.parameters()).device.type != "cuda":
+        return target
+    from transformers import CompileConfig
+
+    return target.get_compiled_call(CompileConfig(mode="reduce-overhead", fullgraph=False, dynamic=False))
 
 
 def _can_select_hidden_states() -> bool:
@@ -83,89 +127,6 @@ def _can_select_hidden_states() -> bool:
 
 
 _CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
-
-
-def crop_cache(cache, keep: int) -> None:
-    """Roll a Hugging Face cache whose layers all crop (see :class:`CacheRollback`) back to
-    its first `keep` tokens (transformers 5.x takes the negative number of tokens to drop)."""
-    _drop_tail(cache, cache.get_seq_length() - keep)
-
-
-def _drop_tail(cache, drop: int) -> None:
-    if drop > 0:
-        cache.crop(-drop)
-
-
-def _cache_layer_kinds():
-    """(layers a crop restores exactly, layers that keep a bounded state, `Cache.crop`) of
-    the installed transformers."""
-    from transformers import cache_utils as cu
-
-    names = lambda *n: tuple(getattr(cu, x) for x in n if hasattr(cu, x))
-    # Every token's K/V is kept (DSA adds an indexer key per token; a KV-shared layer keeps nothing).
-    keeps_every_token = names("DynamicLayer", "DynamicIndexedLayer", "DummyLayer")
-    # A window of K/V, or a conv + recurrent state: what was dropped or folded in cannot be
-    # recovered by a crop, only recorded beforehand (transformers' `activate_past_recording`).
-    bounded = names("DynamicSlidingWindowLayer", "LinearAttentionLayer",
-                    "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
-    return keeps_every_token, bounded, cu.Cache.crop
-
-
-class CacheRollback:
-    """Rolls one target cache back by the rejected tokens of each verify pass. The mechanism
-    is chosen once per cache, after the prefill, from its layer kinds:
-
-    - every layer keeps every token (full attention, DSA, KV-shared placeholders): a plain
-      `crop` of the rejected tail; nothing recorded, nothing done on a full accept. Zero cost.
-    - some layer keeps a bounded state (a sliding or chunked window, a linear-attention conv
-      and recurrent state, alone or mixed with attention): transformers' own past recording,
-      as its assisted and DFlash loops use it. During a pass of up to `max_tokens` tokens the
-      window layers keep the extra tokens, the conv states their inputs, and the linear layers
-      compute the recurrent state after each token (sequentially, instead of chunked: the cost);
-      every step then crops, by 0 tokens too, which trims them back to their working size.
-
-    A cache layer of another kind (static, quantized, a model's own class) or a cache that
-    overrides `crop` (e.g. MiniMaxCache) is an error naming it, before any decoding."""
-
-    def __init__(self, cache, max_tokens: int):
-        self.cache, self.max_tokens = cache, max_tokens
-        layers = getattr(cache, "layers", None)
-        if layers is None:  # transformers 4.x: a DynamicCache of full-attention layers
-            self.records = False
-            return
-        keeps_every_token, bounded, base_crop = _cache_layer_kinds()
-        if type(cache).crop is not base_crop:
-            raise NotImplementedError(
-                f"cannot roll back a {type(cache).__name__}: it overrides `crop` (a cache of its own that "
-                "transformers cannot roll back, e.g. MiniMax's lightning-attention cache)")
-        kinds = [type(layer) for layer in layers]
-        unknown = sorted({k.__name__ for k in kinds if k not in keeps_every_token + bounded})
-        if unknown:
-            raise NotImplementedError(
-                f"cannot roll back the target's cache: layer kind(s) {', '.join(unknown)} "
-                f"(supported: {', '.join(k.__name__ for k in keeps_every_token + bounded)})")
-        self.records = any(k in bounded for k in kinds)
-        if self.records:
-            cache.activate_past_recording(recurrent_states_to_keep=max_tokens)
-            for layer in layers:  # transformers' activation shares one history list among a layer's states
-                if hasattr(layer, "recurrent_states_history"):
-                    layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
-
-    def check_pass(self, n: int) -> None:
-        """A pass of `n` tokens must fit the recording: it keeps the states after each of the
-        last `max_tokens` tokens only, so a longer pass could not be undone exactly."""
-        if self.records and n > self.max_tokens:
-            raise ValueError(f"a pass of {n} tokens cannot be rolled back: the cache records the last "
-                             f"{self.max_tokens} (CacheRollback's max_tokens)")
-
-    def __call__(self, drop: int) -> None:
-        """Undo the last `drop` tokens of the last pass (0: all were accepted)."""
-        if not self.records:
-            _drop_tail(self.cache, drop)
-            return
-        if drop > self.max_tokens:
-            raise ValueError(f"cannot roll back {drop} tokens: the cache records the last {self.max_tokens}")
-        self.cache.crop(-drop)
 
 
 def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -183,12 +144,15 @@ def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def streamed_linears(*models: nn.Module, enabled: bool = True):
     """Within: every `nn.Linear` of `models` runs as :func:`linear_rows` (the verify pass
     over B tokens, the drafter's block, one-token passes). Layers that already carry their
-    own forward (another patch, a hook library) are left alone; all are restored on exit."""
+    own forward (another patch, a hook library) are left alone; all are restored on exit.
+    Layers off the CPU are left alone too: the op streams on the CPU only
+    (:func:`~dflash_ext.hardware.skinny_linear_streams`), and a compiled CUDA pass traces
+    F.linear in one graph instead of breaking at the CPU kernel's path query."""
     patched = []
     try:
         for model in models if enabled else ():
             for m in model.modules():
-                if type(m) is nn.Linear and "forward" not in m.__dict__:
+                if type(m) is nn.Linear and "forward" not in m.__dict__ and m.weight.device.type == "cpu":
                     m.forward = functools.partial(linear_rows, m)
                     patched.append(m)
         yield

@@ -347,3 +347,42 @@ def test_learning_curve_reads_profiles_and_transcribed_logs(tmp_path):
     assert ["10", "1,200", "1.300", "0.250", "0.050", "0.002"] in rows  # the offset is added
     assert ["20", "1,500", "1.400", "0.300", "0.080", "-"] in rows
     assert "# run-a:" in proc.stdout and "# run-b:" in proc.stdout
+
+
+def test_gpu_e2e_small(tmp_path):
+    """bench.gpu_e2e --small on the CPU: every row (the target alone eager and static, our step
+    eager and static, transformers' DFlash loop), the speedup table at the paper's τ, the
+    forced-acceptance check; nothing compiles off CUDA."""
+    proc = _run("gpu_e2e", ["--small", "--threads", "1", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    assert "speedup(τ)" in proc.stdout and "forced acceptance" in proc.stdout
+    data = json.loads((tmp_path / "gpu_e2e.json").read_text())
+    assert data["metadata"]["small"] and data["metadata"]["block"] == 4
+    (row,) = data["contexts"]
+    assert row["context"] == 24
+    for key in ("alone", "alone_static"):
+        assert row[key]["ms"] > 0 and row[key]["compiled"] is False
+    for key in ("ours", "ours_static"):
+        step = row[key]
+        assert step["compiled"] is False and 1 <= step["measured_tau"] <= 4
+        parts = [step[f"{p}_ms"] for p in ("draft", "verify", "rollback")]
+        assert all(p > 0 for p in parts) and step["step_ms"] >= step["verify_ms"]
+    assert row["hf"]["step_ms"] > 0
+    assert [r["tau"] for r in row["speedup"]] == [6.49, 7.87, 5.48]
+    for r in row["speedup"]:
+        assert r["ours_vs_eager"] == pytest.approx(r["tau"] * row["alone"]["ms"] / row["ours"]["step_ms"])
+        assert r["hf_vs_static"] == pytest.approx(r["tau"] * row["alone_static"]["ms"] / row["hf"]["step_ms"])
+    oracle = data["oracle"]
+    assert oracle["ok"] and oracle["static"]["equal_prefix"] == oracle["static"]["tokens"] == 9
+    assert oracle["dynamic"]["tau"] > 3
+    assert "speedup(τ)" in (tmp_path / "gpu_e2e.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_e2e_script_refuses_without_cuda(tmp_path):
+    """tools/gpu/gpu_e2e.sh stops at once, before building anything, and says how to run its
+    Python part on the CPU."""
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu", "gpu_e2e.sh"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "bench.gpu_e2e --small" in proc.stderr
+    assert not (tmp_path / "out").exists()

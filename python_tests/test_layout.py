@@ -22,7 +22,8 @@ ORDER = [
     "draft_step",       # rope tables, stacked K/V weights, add_context, draft_hidden
     "drafter_training",  # the differentiable forward over many blocks
     "drafter",          # DFlashDrafter: build, load, save, draft vocabulary, DFlash2 conversion
-    "target",           # the Hugging Face target adapter, cache rollback, streamed linear layers
+    "rollback",         # CacheRollback: the target cache after a rejection, every cache kind
+    "target",           # the Hugging Face target adapter, static cache, compiled passes, streamed linear layers
     "proposer",         # DFlashProposer, CUDA-graph capture, draft tokens
     "decoding",         # the step, the loop, sampling, results, choose_block_size
     "timing",           # the target alone timed (the demo's --dtype auto and --baseline)

@@ -160,7 +160,7 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     out = spec_generate(target, drafter, PROMPTS[2], 20, block_size="auto")
     assert out.tokens == target_generate(target, PROMPTS[2], 20).tokens
     drafter.acceptance_profile = [0.0] * 7  # drafts never accepted: the target alone is fastest
-    monkeypatch.setattr(decoding, "_median_seconds", lambda fn, reps=3: (fn(), 1e-3)[1])  # timing noise out
+    monkeypatch.setattr(decoding, "_median_seconds", lambda fn, reps=3, warmup=0: (fn(), 1e-3)[1])  # timing noise out
     assert choose_block_size(target, drafter, 12).block_size == 1
     drafter.acceptance_profile = [0.95 ** j for j in range(1, 8)]  # with flat costs: the longest block
     assert choose_block_size(target, drafter, 12).block_size == 8

@@ -99,8 +99,8 @@ class WrongAt:
         return torch.tensor(toks, dtype=torch.long)
 
 
-def next_logits(runner, cache, token):
-    logits, _, _ = runner(torch.tensor([[token]]), cache, hidden_states=False)
+def next_logits(runner, cache, token, rollback=None):
+    logits, _, _ = runner(torch.tensor([[token]]), cache, hidden_states=False, rollback=rollback)
     return logits[0, -1]
 
 
@@ -127,7 +127,7 @@ def test_a_rejection_at_every_block_position_rolls_back_to_a_fresh_prefill(famil
             assert emitted == base[:len(emitted)] and state.pos == len(prompt) + len(emitted) - 1
             assert all(int(layer.get_seq_length()) == state.pos for layer in cache.layers)
             _, _, fresh = runner(torch.tensor([prompt + emitted[:-1]]), None, hidden_states=False)
-            torch.testing.assert_close(next_logits(runner, cache, state.last),
+            torch.testing.assert_close(next_logits(runner, cache, state.last, state.rollback),
                                        next_logits(runner, fresh, state.last), rtol=1e-4, atol=1e-4)
             state.rollback(1)  # undo the probe token: the cache is back where the step left it
         for layer in cache.layers:
@@ -139,12 +139,13 @@ def test_a_rejection_at_every_block_position_rolls_back_to_a_fresh_prefill(famil
 
 
 def test_a_cache_that_cannot_roll_back_is_an_error_naming_it():
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticSlidingWindowLayer
 
     class ModelOwnLayer(DynamicLayer):  # a model's own layer class may keep anything
         pass
 
-    for odd in (ModelOwnLayer(), StaticLayer(max_cache_len=8)):
+    # A static window that can fill rolls its buffer and keeps no record of what it dropped.
+    for odd in (ModelOwnLayer(), StaticSlidingWindowLayer(max_cache_len=16, sliding_window=8)):
         with pytest.raises(NotImplementedError, match=type(odd).__name__):
             CacheRollback(Cache(layers=[DynamicLayer(), odd]), 4)
 
