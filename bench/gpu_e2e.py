@@ -193,7 +193,7 @@ def oracle_check(target, drafter, device, args) -> dict:
     of spec_generate (dynamic cache, and static cache with the compiled verify) must be the
     target's own greedy ones, with whole blocks accepted."""
     from dflash_ext.decoding import spec_generate, target_generate
-    from python_tests.decoding_helpers import OracleProposer
+    from dflash_ext.testing import OracleProposer
 
     g = torch.Generator().manual_seed(args.seed)
     vocab = target.config.vocab_size

@@ -176,13 +176,34 @@ def choose_block_size(target, drafter: DFlashDrafter, context_len: int,
         return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
 
 
+def prompt_ids(input_ids, target, caller: str) -> torch.Tensor:
+    """`input_ids` ([n] or [1, n]: a list or an integer tensor) as a [1, n] long tensor on the
+    target's device; anything else is a ValueError naming input_ids (not a reshape error, an
+    IndexError inside the embedding, or floats silently cut to ints)."""
+    ids = torch.as_tensor(input_ids)
+    if ids.numel() == 0:
+        raise ValueError(f"input_ids is empty: {caller} needs at least one prompt token to continue")
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise ValueError(f"input_ids must hold integer token ids, got {str(ids.dtype).replace('torch.', '')}")
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"{caller} decodes one sequence: input_ids must be [n] or [1, n], got shape "
+                         f"{list(ids.shape)}" + (f" (batch {ids.shape[0]})" if ids.dim() == 2 else ""))
+    rows = target.get_input_embeddings().num_embeddings
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        raise ValueError(f"input_ids holds the token id {low if low < 0 else high}, outside the target's "
+                         f"vocabulary [0, {rows})")
+    return ids.to(device=next(target.parameters()).device, dtype=torch.long)
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     """Clear errors for sampling parameters outside their ranges."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if type(max_new_tokens) is not int or max_new_tokens < 1:  # bool too: True is no budget
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not 0 <= temperature < math.inf:  # also rejects NaN
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_k, int) or top_k < 0:
+    if type(top_k) is not int or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
@@ -293,14 +314,10 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     the verify passes of B tokens run compiled, captured in CUDA graphs (:func:`compiled_call`;
     not yet run on a GPU); on the CPU the same passes run eagerly."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    ids = ids[None] if ids.dim() == 1 else ids
-    if ids.shape[0] != 1:
-        raise ValueError(f"spec_generate decodes one sequence; input_ids has batch {ids.shape[0]}")
+    ids = prompt_ids(input_ids, target, "spec_generate")
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
-        device = next(target.parameters()).device
-        ids = ids.to(device)
+        device = ids.device
         n_prompt = ids.shape[1]
         if isinstance(drafter, DFlashDrafter):
             trained = drafter.config.block_size
@@ -308,8 +325,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                 block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears,
                                                static_cache=static_cache,
                                                static_cache_len=n_prompt + max_new_tokens + trained).block_size
-            B = block_size or trained
-            if not isinstance(B, int) or B < 1:
+            B = trained if block_size is None else block_size
+            if type(B) is not int or B < 1:  # bool too: True is no block size
                 raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
             if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
                 return target_generate(target, ids, max_new_tokens, temperature=temperature,
@@ -374,8 +391,7 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
     generate runs a static cache there; not yet run on a GPU), eager on the CPU."""
     with streamed_linears(target, enabled=stream_linears):
         check_sampling(max_new_tokens, temperature, top_k, top_p)
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        ids = (ids[None] if ids.dim() == 1 else ids).to(next(target.parameters()).device)
+        ids = prompt_ids(input_ids, target, "target_generate")
         runner = TargetRunner(target, compiled_sizes=(1,) if static_cache else ())
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         res = GenerationResult(tokens=[], block_size=1)

@@ -1,6 +1,8 @@
 """Small random Hugging Face targets and proposers for the decoding tests."""
 import torch
 
+from dflash_ext.testing import OracleProposer  # noqa: F401  (shared with bench/gpu_e2e.py)
+
 
 def tiny_target_config(kind="llama", vocab_size=128, hidden_size=64, num_hidden_layers=6):
     from transformers import LlamaConfig, Qwen3Config
@@ -20,23 +22,3 @@ def tiny_target(kind="llama", seed=0, **kw):
     with torch.no_grad():  # sharper logits than the default init: less tie-breaking noise
         model.get_output_embeddings().weight.mul_(20)
     return model.eval()
-
-
-class OracleProposer:
-    """Proposes the known continuation (τ near B); every `wrong_every`-th proposed token is
-    replaced by a wrong one so that partial acceptance is exercised too."""
-
-    def __init__(self, continuation, n_prompt, vocab_size, wrong_every=0):
-        self.cont, self.n_prompt, self.V, self.wrong_every = list(continuation), n_prompt, vocab_size, wrong_every
-        self.calls = 0
-
-    def accept(self, hidden_states, rows, positions):
-        pass
-
-    def propose(self, last_token, position, n):
-        start = position + 1 - self.n_prompt
-        toks = (self.cont[start:start + n] + [0] * n)[:n]
-        self.calls += 1
-        if self.wrong_every and self.calls % self.wrong_every == 0 and n > 1:
-            toks[n // 2] = (toks[n // 2] + 1) % self.V
-        return torch.tensor(toks, dtype=torch.long)

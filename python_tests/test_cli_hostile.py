@@ -150,3 +150,23 @@ def test_block_size_through_the_api_is_checked_by_the_config(tmp_path, dflash2_d
     with pytest.raises(ValueError, match="conv_kernel_size=3 must be <= block_size=2"):
         train(cfg, target, log=lambda m: None)
     assert not os.path.exists(os.path.join(cfg.out, "config.json"))
+
+
+def test_static_cache_flag_decodes_the_same_text(monkeypatch, capsys):
+    monkeypatch.setattr(dflash_ext.models, "load_target", lambda *a, **k: (tiny_target(), ChatTokenizer()))
+    argv = ["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "4", "--dtype", "float32",
+            "--max-new-tokens", "12", "--draft-layers", "1"]
+    main(argv)
+    dynamic = capsys.readouterr().out
+    main(argv + ["--static-cache"])
+    assert capsys.readouterr().out == dynamic and dynamic
+
+
+def test_static_cache_on_a_sliding_window_target_is_a_usage_error(monkeypatch, capsys):
+    from dflash_ext.testing_targets import tiny_family_target
+
+    monkeypatch.setattr(dflash_ext.models, "load_target",
+                        lambda *a, **k: (tiny_family_target("gpt_oss"), ChatTokenizer()))
+    err = _usage_error(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "4", "--dtype",
+                        "float32", "--max-new-tokens", "400", "--draft-layers", "1", "--static-cache"], capsys)
+    assert "argument --static-cache:" in err and "dynamic cache" in err

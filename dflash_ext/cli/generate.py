@@ -8,7 +8,7 @@ import sys
 import torch
 
 from ..timing import fastest_target_alone
-from .args import _check_drafter_fits
+from .args import UsageError, _check_drafter_fits
 
 
 class _Streamer:
@@ -123,10 +123,13 @@ def cmd_generate(args):
                 "pass --drafter DIR for a trained one)")
     print(f"[dflash_ext] target: {args.target or 'SmolLM2-135M-Instruct (embedded default)'}; {note}",
           file=sys.stderr)
+    if args.static_cache:  # a target whose static cache cannot be rolled back is refused before decoding
+        _check_static_cache(model, len(ids) + args.max_new_tokens + drafter.config.block_size)
     stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
     best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
-        choice = choose_block_size(model, drafter, len(ids))
+        choice = choose_block_size(model, drafter, len(ids), static_cache=args.static_cache,  # its graphs reused
+                                   static_cache_len=len(ids) + args.max_new_tokens + drafter.config.block_size)
         args.block_size = choice.block_size
         speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
         print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"
@@ -138,7 +141,8 @@ def cmd_generate(args):
                   "the target alone is expected to be fastest, so DFlash drafts nothing (block size 1 = the target "
                   f"alone). The drafter's own run at its best B > 1 (B = {best_drafting}) follows, with its tau.",
                   file=sys.stderr)
-    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
+    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
+                  static_cache=args.static_cache)
     if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
         spec_generate(model, drafter, ids, 8, block_size=args.block_size, **common)
     res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size,
@@ -194,6 +198,18 @@ def cmd_generate(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def _check_static_cache(model, max_cache_len: int) -> None:
+    """Usage error naming --static-cache where the loop could not roll the target's static
+    cache back (sliding windows that can fill): transformers allocates a cache's layers on
+    their first update, so this probe costs nothing."""
+    from ..target import CacheRollback, static_cache
+
+    try:
+        CacheRollback(static_cache(model, max_cache_len), 1)
+    except NotImplementedError as e:
+        raise UsageError(f"argument --static-cache: {e}") from None
 
 
 def cmd_info(args):

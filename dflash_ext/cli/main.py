@@ -35,6 +35,12 @@ def main(argv=None):
     g.add_argument("--top-k", type=nonnegative_int, default=0, help="0: off")
     g.add_argument("--top-p", type=probability, default=1.0)
     g.add_argument("--max-new-tokens", type=positive_int, default=128)
+    g.add_argument("--static-cache", action="store_true",
+                   help="the target's cache is transformers' StaticCache (a rollback lowers its length); on CUDA the "
+                        "verify pass of B tokens and the target alone's one-token pass run compiled in CUDA graphs "
+                        "(torch.compile reduce-overhead; the first steps compile). Full-attention targets compile, "
+                        "Gated-DeltaNet hybrids run the static cache eagerly, sliding-window targets are refused. "
+                        "Not yet run on a GPU")
     g.add_argument("--baseline", action="store_true",
                    help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

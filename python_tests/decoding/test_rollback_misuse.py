@@ -10,7 +10,7 @@ from dflash_ext.decoding import choose_block_size, spec_generate, target_generat
 from dflash_ext.drafter import DFlashDrafter
 from dflash_ext.rollback import CacheRollback
 from dflash_ext.target import TargetRunner
-from python_tests.target_families import CROPPABLE, FAMILIES, tiny_family_target
+from dflash_ext.testing_targets import CROPPABLE, FAMILIES, tiny_family_target
 
 SHORT_PROMPT = [5, 17]  # a few tokens: shorter than the drafter's block of 16
 

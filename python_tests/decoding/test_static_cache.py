@@ -15,7 +15,7 @@ from dflash_ext.target import TargetRunner, compiled_call, static_cache
 from python_tests.decoding.test_target_families import (NEW_TOKENS, PROMPTS, chi2_goodness_of_fit,
                                                          exact_first_tokens, hf_greedy)
 from python_tests.decoding_helpers import OracleProposer, tiny_target
-from python_tests.target_families import CROPPABLE, HYBRID, SLIDING, tiny_family_target
+from dflash_ext.testing_targets import CROPPABLE, HYBRID, SLIDING, tiny_family_target
 
 STATIC_FAMILIES = CROPPABLE + HYBRID
 
