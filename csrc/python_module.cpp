@@ -85,6 +85,15 @@ PyObject* py_cuda_plan(PyObject*, PyObject* args) {
   if (name == "attention") return plan_tuple(dc::attention_split_plan(a, b, static_cast<int>(c), d));
   if (name == "gemm") return plan_tuple(dc::gemm_split_plan(a, b, c));
   if (name == "planned_context") return PyLong_FromLongLong(dc::planned_context(a, b, c));
+  if (name == "gemv") {  // (T, rows, K, rows_per_group, wave)
+    const auto g = dc::gemv_plan(a, b, c, d, e);
+    return Py_BuildValue("(LLLLLL)", static_cast<long long>(g.ctas), static_cast<long long>(g.row_blocks),
+                         static_cast<long long>(g.k_steps), static_cast<long long>(g.groups),
+                         static_cast<long long>(g.partial_floats), static_cast<long long>(g.counters));
+  }
+  if (name == "stream_cta") return PyLong_FromLongLong(dc::stream_cta_of(a, b, c));
+  if (name == "project_path") return PyLong_FromLong(static_cast<long>(dc::project_features_path(a != 0, b)));
+  if (name == "inject_path") return PyLong_FromLong(static_cast<long>(dc::inject_context_kv_path(a != 0, b)));
   if (name == "kernel_arch") {  // (major, minor[, compiled bit set: default this build's])
     const unsigned compiled = PyTuple_Size(args) > 3 ? static_cast<unsigned>(c) : dc::compiled_kernel_archs();
     return PyLong_FromLong(static_cast<long>(dc::kernel_arch_for(static_cast<int>(a), static_cast<int>(b), compiled)));
@@ -121,7 +130,9 @@ PyMethodDef module_methods[] = {
     {"_cuda_plan", py_cuda_plan, METH_VARARGS,
      "(rule, ints...) -> a CUDA launch-plan rule evaluated on the host: split(ctas, units, min_units, max_splits, "
      "wave), attention(ctas, max_keys, key_tile, wave), gemm(ctas, k_tiles, wave) -> (splits, units per split); "
-     "planned_context(max_context, window, S); kernel_arch(major, minor[, compiled bits: 1 sm80, 2 sm90a, 4 sm100; "
+     "planned_context(max_context, window, S); gemv(T, rows, K, rows_per_group, wave) -> (ctas, row_blocks, k_steps, "
+     "groups, partial floats, counters); stream_cta(step, steps, ctas); project_path / inject_path(tensor-core "
+     "inputs, T) -> 0 library, 1 GEMV, 2 tensor cores, 3 SIMT; kernel_arch(major, minor[, compiled bits: 1 sm80, 2 sm90a, 4 sm100; "
      "default this build's]) -> 0, 80, 90 or 100."},
     {"_torch_version", py_torch_version, METH_NOARGS, "(major, minor, patch) of the torch the extension was built with."},
     {"_cuda_archs", py_cuda_archs, METH_NOARGS,

@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "dflash/checks.h"
@@ -104,38 +105,53 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 
+// The cuBLAS path of project_features (project_features_path in plans.h: prefill-sized T,
+// fp32, inputs the GEMV does not take): at::mm with an fp32 result (16-bit inputs: the
+// same numerics as the kernel, fp32 sums normed in fp32), then at::rms_norm.
+at::Tensor project_features_library(at::TensorList features, const at::Tensor& fc_weight,
+                                    const at::Tensor& norm_weight, double eps) {
+  const auto x = features.size() == 1 ? features[0] : at::cat(features, 1);
+  const auto y = x.scalar_type() == at::kFloat ? at::mm(x, fc_weight.t()) : at::mm(x, fc_weight.t(), at::kFloat);
+  return at::rms_norm(y, {y.size(1)}, norm_weight.to(at::kFloat), eps).to(x.scalar_type());
+}
+
+// The fp32 workspace and zeroed counters of a GEMV schedule, bound into it (returned: they
+// must outlive the launch).
+std::pair<at::Tensor, at::Tensor> gemv_workspace(GemvSchedule& s, const at::TensorOptions& options) {
+  auto workspace = at::empty({s.workspace_floats}, options.dtype(at::kFloat));
+  auto counters = at::zeros({s.counter_count}, options.dtype(at::kInt));
+  bind_gemv_workspace(s, workspace.data_ptr<float>(), counters.data_ptr<int>());
+  return {workspace, counters};
+}
+
 at::Tensor project_features_cuda(at::TensorList features, const at::Tensor& fc_weight,
                                  const at::Tensor& norm_weight, double eps) {
   const auto dims = check_project_features(features, fc_weight, norm_weight, eps);
   const c10::cuda::CUDAGuard guard(features[0].device());
   auto out = at::empty({dims.T, dims.H_out}, features[0].options());
   if (out.numel() == 0) return out;
+  if (dims.T > kGemvMaxRows) return project_features_library(features, fc_weight, norm_weight, eps);
   std::vector<at::Tensor> feats;
   for (const auto& f : features) feats.push_back(f.contiguous());
   if (static_cast<int>(feats.size()) > kMaxFeatures) feats = {at::cat(feats, 1)};  // rare: many layers
   const auto weight = fc_weight.contiguous(), norm = norm_weight.contiguous();
   const auto info = device_info(out.device());
-  // Rows go in chunks so that the fp32 workspace (splits x rows x H_out) stays bounded
-  // at prefill; a decode step (T <= 16) is one chunk.
-  constexpr int64_t kRowChunk = 4096;
-  for (int64_t t0 = 0; t0 < dims.T; t0 += kRowChunk) {
-    const int64_t rows = std::min(kRowChunk, dims.T - t0);
-    ProjectFeaturesParams p{};
-    for (size_t j = 0; j < feats.size(); ++j) p.features[j] = feats[j].narrow(0, t0, rows).data_ptr();
-    p.k = static_cast<int>(feats.size());
-    p.T = static_cast<int>(rows);
-    p.H = narrow(feats[0].size(1), "H");
-    p.H_out = narrow(dims.H_out, "H_out");
-    p.fc_weight = weight.data_ptr();
-    p.norm_weight = norm.data_ptr();
-    p.out = out.narrow(0, t0, rows).data_ptr();
-    p.eps = static_cast<float>(eps);
-    p.dtype = dtype_of(out);
-    info.launchers->project_features_plan(p, info.limits);
-    auto workspace = at::empty({p.splits, rows, dims.H_out}, out.options().dtype(at::kFloat));
-    p.workspace = workspace.data_ptr<float>();
-    info.launchers->project_features(p, c10::cuda::getCurrentCUDAStream());
-  }
+  ProjectFeaturesParams p{};
+  for (size_t j = 0; j < feats.size(); ++j) p.features[j] = feats[j].data_ptr();
+  p.k = static_cast<int>(feats.size());
+  p.T = static_cast<int>(dims.T);
+  p.H = narrow(feats[0].size(1), "H");
+  p.H_out = narrow(dims.H_out, "H_out");
+  narrow(p.k * static_cast<int64_t>(p.H), "k * H");
+  p.fc_weight = weight.data_ptr();
+  p.norm_weight = norm.data_ptr();
+  p.out = out.data_ptr();
+  p.eps = static_cast<float>(eps);
+  p.dtype = dtype_of(out);
+  if (!info.launchers->project_features_plan(p, info.limits))
+    return project_features_library(features, fc_weight, norm_weight, eps);
+  const auto workspace = gemv_workspace(p.gemv, out.options());
+  info.launchers->project_features(p, c10::cuda::getCurrentCUDAStream());
   return out;
 }
 
@@ -178,6 +194,8 @@ void inject_context_kv_cuda(const at::Tensor& ctx, const at::Tensor& k_weight,
   const auto info = device_info(ctx.device());
   info.launchers->inject_context_kv_plan(p, info.limits);
   at::Tensor workspace;
+  std::pair<at::Tensor, at::Tensor> gemv;
+  if (p.path == static_cast<int>(GemmPath::kGemv)) gemv = gemv_workspace(p.gemv, ctx.options());
   if (p.splits > 1) {
     workspace = at::empty({p.splits, d.N * 2 * d.Hkv, d.T, d.D}, ctx.options().dtype(at::kFloat));
     p.workspace = workspace.data_ptr<float>();

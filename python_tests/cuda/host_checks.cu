@@ -11,8 +11,9 @@
 //     elements along the contiguous mode stay contiguous (16-byte cp.async and stores),
 //     and a tile is a whole number of 1 KiB swizzle periods (stages at offset pointers).
 // For the plan functions: the split schedules cover every K tile / key exactly once with
-// no split past the end, and the path choice (tensor cores or SIMT) follows the dtype,
-// shape, alignment and shared-memory rules.
+// no split past the end, the GEMV's stream-K schedule covers every step once in one wave
+// with unique partial slots, and the path choice (GEMV, tensor cores, SIMT or cuBLAS)
+// follows T, the dtype, shape, alignment and shared-memory rules.
 #include <cstdio>
 #include <vector>
 
@@ -148,56 +149,119 @@ void check_plans() {
   CHECK(attention_tc(DType::kFloat16, 128, 0x10000, ada), "D=128 fits 99 KiB of shared memory (sm_86/89/120)");
   CHECK(attention_tc(DType::kFloat16, 64, 0x10000, small_smem), "D=64 fits 64 KiB of shared memory");
   CHECK(!attention_tc(DType::kFloat16, 128, 0x10000, small_smem), "D=128 does not fit 64 KiB of shared memory");
-  // project_features: split-K schedules and path choice
+  // project_features: the GEMV at T <= kGemvMaxRows, cuBLAS (false) otherwise
   for (const DeviceLimits& dev : {h200, tiny})
-    for (int T : {1, 16, 2000})
+    for (int T : {1, 8, 9, 16, 17, 2000})
       for (int H : {64, 576, 4096})
         for (int k : {1, 5, 16}) {
           ProjectFeaturesParams p{};
           for (int j = 0; j < k; ++j) p.features[j] = fake_ptr(0x20000 + 0x1000 * j);
           p.fc_weight = fake_ptr(0x10000);
           p.k = k; p.T = T; p.H = H; p.H_out = H; p.dtype = DType::kBFloat16;
-          CHECK(project_features_plan(p, dev) && p.tensor_cores, "project bf16 H=%d should take tensor cores", H);
-          const int k_tiles = (k * H + kGemmBK - 1) / kGemmBK;
-          CHECK(p.splits >= 1 && p.k_tiles_per_split >= 1, "splits %d per %d", p.splits, p.k_tiles_per_split);
-          CHECK(p.splits * p.k_tiles_per_split >= k_tiles, "split-K misses K tiles (%d x %d < %d)", p.splits, p.k_tiles_per_split, k_tiles);
-          CHECK((p.splits - 1) * p.k_tiles_per_split < k_tiles, "an empty split-K CTA (%d x %d, %d tiles)", p.splits, p.k_tiles_per_split, k_tiles);
+          const bool gemv = project_features_plan(p, dev);
+          CHECK(gemv == (T <= kGemvMaxRows), "project bf16 T=%d H=%d: GEMV %d", T, H, int(gemv));
+          if (!gemv) continue;
+          const GemvSchedule& g = p.gemv;
+          CHECK(g.ctas >= 1 && g.ctas <= dev.num_sms, "project GEMV grid %d on %d SMs (one wave)", g.ctas, dev.num_sms);
+          CHECK(g.row_blocks * kGemvRowBlock >= H && (g.row_blocks - 1) * kGemvRowBlock < H, "row blocks %d", g.row_blocks);
+          CHECK(g.k_steps * kGemvStepK >= k * H && (g.k_steps - 1) * kGemvStepK < k * H, "k steps %d", g.k_steps);
+          CHECK(g.blocks_per_group == g.row_blocks, "project: one epilogue group, got %d of %d blocks",
+                g.blocks_per_group, g.row_blocks);
+          CHECK(g.counter_count == g.row_blocks + 1, "project counters %lld", (long long)g.counter_count);
+          CHECK(g.y_offset == int64_t(g.ctas + g.row_blocks) * kGemvRowBlock * T && g.y_offset % 4 == 0 &&
+                g.ss_offset == g.y_offset + int64_t(T) * g.row_blocks * kGemvRowBlock &&
+                g.workspace_floats == g.ss_offset + int64_t(g.row_blocks) * T, "project workspace layout");
         }
   ProjectFeaturesParams p{};
   p.features[0] = fake_ptr(0x20000); p.features[1] = fake_ptr(0x30008);
   p.fc_weight = fake_ptr(0x10000); p.k = 2; p.T = 4; p.H = 64; p.H_out = 64; p.dtype = DType::kBFloat16;
-  CHECK(!project_features_plan(p, h200) && p.splits == 1, "an unaligned feature must take the SIMT path");
+  CHECK(!project_features_plan(p, h200), "an unaligned feature must take the cuBLAS path");
   p.features[1] = fake_ptr(0x30000); p.H = 100;
-  CHECK(!project_features_plan(p, h200), "H %% 8 != 0 must take the SIMT path");
+  CHECK(!project_features_plan(p, h200), "H %% 8 != 0 must take the cuBLAS path");
   p.H = 64; p.dtype = DType::kFloat32;
-  CHECK(!project_features_plan(p, h200), "fp32 must take the SIMT path");
-  // inject_context_kv: path choice
+  CHECK(!project_features_plan(p, h200), "fp32 must take the cuBLAS path");
+  // inject_context_kv: path choice and schedules
   InjectParams q{};
   q.ctx = q.k_weight = q.v_weight = fake_ptr(0x10000);
   q.T = 16; q.H = 4096; q.N = 5; q.Hkv = 8; q.D = 128; q.dtype = DType::kBFloat16;
-  CHECK(inject_context_kv_plan(q, h200), "inject bf16 D=128 should take tensor cores");
+  CHECK(inject_context_kv_plan(q, h200) && q.path == int(GemmPath::kGemv), "inject bf16 D=128 T=16 takes the GEMV");
   for (const DeviceLimits& dev : {h200, tiny})
-    for (int T : {1, 16, 4096})
-      for (int H : {576, 4096}) {
-        q.T = T; q.H = H;
-        CHECK(inject_context_kv_plan(q, dev), "inject bf16 H=%d should take tensor cores", H);
-        const int k_tiles = (H + kGemmBK - 1) / kGemmBK;
-        CHECK(q.splits >= 1 && q.splits * q.k_tiles_per_split >= k_tiles &&
-              (q.splits - 1) * q.k_tiles_per_split < k_tiles, "inject split-K %d x %d over %d tiles", q.splits,
-              q.k_tiles_per_split, k_tiles);
-      }
+    for (int T : {1, 16, 17, 4096})
+      for (int H : {576, 4096})
+        for (int D : {64, 128}) {
+          q.T = T; q.H = H; q.D = D;
+          CHECK(inject_context_kv_plan(q, dev), "inject bf16 H=%d should take tensor cores", H);
+          if (T <= kGemvMaxRows) {
+            CHECK(q.path == int(GemmPath::kGemv) && q.splits == 1, "inject T=%d: path %d", T, q.path);
+            CHECK(q.gemv.ctas >= 1 && q.gemv.ctas <= dev.num_sms, "inject GEMV grid %d", q.gemv.ctas);
+            CHECK(q.gemv.blocks_per_group * kGemvRowBlock == D, "inject: a group is one head (%d blocks)",
+                  q.gemv.blocks_per_group);
+            CHECK(q.gemv.counter_count == q.gemv.row_blocks + q.N * 2 * q.Hkv, "inject counters");
+            continue;
+          }
+          CHECK(q.path == int(GemmPath::kTensorCores), "inject T=%d: path %d", T, q.path);
+          const int k_tiles = (H + kGemmBK - 1) / kGemmBK;
+          CHECK(q.splits >= 1 && q.splits * q.k_tiles_per_split >= k_tiles &&
+                (q.splits - 1) * q.k_tiles_per_split < k_tiles, "inject split-K %d x %d over %d tiles", q.splits,
+                q.k_tiles_per_split, k_tiles);
+          const int64_t ctas = int64_t((T + kGemmBM - 1) / kGemmBM) * q.N * 2 * q.Hkv;
+          CHECK(q.splits == 1 || ctas * q.splits <= dev.num_sms, "inject split grid %lld x %d past one wave",
+                (long long)ctas, q.splits);
+        }
   q.T = 16; q.H = 4096;
   q.D = 96;
-  CHECK(!inject_context_kv_plan(q, h200), "inject D=96 must take the SIMT path");
+  CHECK(!inject_context_kv_plan(q, h200) && q.path == int(GemmPath::kSimt), "inject D=96 must take the SIMT path");
   q.D = 64; q.H = 100;
   CHECK(!inject_context_kv_plan(q, h200), "inject H %% 8 != 0 must take the SIMT path");
   std::printf("checked plans\n");
 }
 
+// The GEMV's stream-K schedule as the kernel walks it (weight_stream_gemv.cuh): every
+// (row block, K step) is streamed by exactly one CTA, no CTA is empty, the partial slot
+// c + rb of each (CTA, row block) pair is unique and inside the workspace, and the
+// contributor range of each row block (stream_cta_of) is exactly the CTAs that touch it.
+void check_gemv_schedules() {
+  const DeviceLimits h200{132, 227 * 1024}, tiny{4, 227 * 1024};
+  for (const DeviceLimits& dev : {h200, tiny})
+    for (int T : {1, 16})
+      for (int64_t rows : {int64_t(40), int64_t(576), int64_t(4096), int64_t(10240)})
+        for (int64_t K : {int64_t(8), int64_t(576), int64_t(5 * 4096)})
+          for (int64_t group : {int64_t(64), int64_t(128), rows}) {
+            const GemvSchedule s = gemv_schedule(T, rows, K, group, dev, 2);
+            const int64_t steps = int64_t(s.row_blocks) * s.k_steps;
+            CHECK(s.ctas >= 1 && s.ctas <= 2 * dev.num_sms && s.ctas <= steps, "%d CTAs for %lld steps", s.ctas,
+                  (long long)steps);
+            std::vector<int> slot_used(s.ctas + s.row_blocks, 0);
+            std::vector<int64_t> first(s.row_blocks, -1), last(s.row_blocks, -1);
+            int64_t covered = 0;
+            for (int64_t c = 0; c < s.ctas; ++c) {
+              const int64_t begin = c * steps / s.ctas, end = (c + 1) * steps / s.ctas;
+              CHECK(begin == covered && end > begin, "CTA %lld covers [%lld, %lld)", (long long)c, (long long)begin,
+                    (long long)end);
+              covered = end;
+              for (int64_t seg = begin; seg < end;) {
+                const int64_t rb = seg / s.k_steps;
+                seg = std::min<int64_t>(end, (rb + 1) * s.k_steps);
+                CHECK(c + rb < int64_t(slot_used.size()) && ++slot_used[c + rb] == 1, "slot %lld reused",
+                      (long long)(c + rb));
+                if (first[rb] < 0) first[rb] = c;
+                last[rb] = c;
+              }
+            }
+            CHECK(covered == steps, "%lld of %lld steps covered", (long long)covered, (long long)steps);
+            for (int64_t rb = 0; rb < s.row_blocks; ++rb)
+              CHECK(first[rb] == stream_cta_of(rb * s.k_steps, steps, s.ctas) &&
+                    last[rb] == stream_cta_of((rb + 1) * s.k_steps - 1, steps, s.ctas),
+                    "row block %lld: CTAs %lld..%lld", (long long)rb, (long long)first[rb], (long long)last[rb]);
+            CHECK(int64_t(s.ctas + s.row_blocks) * kGemvRowBlock * T == s.y_offset, "partials size");
+          }
+  std::printf("checked gemv schedules\n");
+}
+
 int main() {
   check_plans();
+  check_gemv_schedules();
   using T = cutlass::bfloat16_t;
-  check_gemm<TileGemm<T, kGemmBM, 128, kGemmBK, false, kGemmWarpsM>, kGemmBM, 128, kGemmBK, false>("project_features");
   check_gemm<TileGemm<T, kGemmBM, 64, kGemmBK, false, kGemmWarpsM>, kGemmBM, 64, kGemmBK, false>("inject D=64");
   check_gemm<TileGemm<T, kGemmBM, 128, kGemmBK, false, kGemmWarpsM>, kGemmBM, 128, kGemmBK, false>("inject D=128");
   check_gemm<TileGemm<T, kAttnBM, kAttnBN, 64, false>, kAttnBM, kAttnBN, 64, false>("attention QK D=64");

@@ -63,6 +63,7 @@ def test_gemm_split_plan(ctas, k_tiles):
     splits, per = C._cuda_plan("gemm", ctas, k_tiles, H200_WAVE)
     assert covers_exactly(splits, per, k_tiles)
     assert splits == 1 or per >= MIN_K_TILES
+    assert splits == 1 or ctas * splits <= H200_WAVE, "a split grid past one wave (rounded up)"
     if ctas >= H200_WAVE:
         assert splits == 1
 
@@ -71,6 +72,53 @@ def test_inject_of_a_qwen3_8b_drafter_step_is_split():
     # 16 tokens -> one row tile; N=5 layers x (k, v) x Hkv=8 = 80 CTAs on 132 SMs; H=4096: 64 K tiles.
     splits, per = C._cuda_plan("gemm", 80, 64, H200_WAVE)
     assert splits >= 2 and covers_exactly(splits, per, 64)
+
+
+GEMV_MAX_ROWS = 16     # kGemvMaxRows
+GEMV_ROW_BLOCK, GEMV_STEP_K, GEMV_MIN_STEPS = 32, 32, 16  # kGemvRowBlock, kGemvStepK, kGemvMinStepsPerCta
+LIBRARY, GEMV, TENSOR_CORES, SIMT = range(4)  # GemmPath
+
+
+@pytest.mark.parametrize("T,rows,K,group", [
+    (1, 4096, 5 * 4096, 4096), (16, 4096, 5 * 4096, 4096),       # Qwen3-8B project_features
+    (4, 8192, 5 * 8192, 8192),                                    # hidden 8192
+    (16, 5 * 2 * 8 * 128, 4096, 128),                             # Qwen3-8B inject_context_kv: a group per head
+    (1, 90, 64, 90), (3, 40, 8, 40), (16, 1, 1, 1), (2, 4096, 64, 4096)])
+@pytest.mark.parametrize("wave", [132, H200_WAVE, 4])
+def test_gemv_plan_is_one_wave_of_whole_steps(T, rows, K, group, wave):
+    ctas, row_blocks, k_steps, groups, partial_floats, counters = C._cuda_plan("gemv", T, rows, K, group, wave)
+    steps = row_blocks * k_steps
+    assert row_blocks == -(-rows // GEMV_ROW_BLOCK) and k_steps == -(-K // GEMV_STEP_K)
+    assert 1 <= ctas <= wave, "more CTAs than one wave"
+    assert ctas == 1 or steps // ctas >= GEMV_MIN_STEPS, "CTAs too short to pay for themselves"
+    if steps >= wave * GEMV_MIN_STEPS:
+        assert ctas == wave, "enough work for a full wave, but the grid is smaller"
+    assert groups == (1 if group >= rows else row_blocks // (group // GEMV_ROW_BLOCK))
+    assert counters == row_blocks + groups
+    assert partial_floats == (ctas + row_blocks) * GEMV_ROW_BLOCK * T
+
+
+def test_gemv_plan_of_the_qwen3_8b_step_fills_the_h200_exactly():
+    # the old split-K plan made 288 or 320 CTAs for a 264-CTA wave
+    assert C._cuda_plan("gemv", 16, 4096, 5 * 4096, 4096, H200_WAVE)[0] == H200_WAVE
+    assert C._cuda_plan("gemv", 16, 5 * 2 * 8 * 128, 4096, 128, H200_WAVE)[0] == H200_WAVE
+
+
+@pytest.mark.parametrize("steps,ctas", [(1, 1), (100, 7), (81920, 264), (64, 64), (1000, 132)])
+def test_stream_cta_of_matches_the_ranges_the_kernel_walks(steps, ctas):
+    # CTA c streams steps [c * steps // ctas, (c + 1) * steps // ctas)
+    owner = [c for c in range(ctas) for _ in range(c * steps // ctas, (c + 1) * steps // ctas)]
+    assert len(owner) == steps
+    assert [C._cuda_plan("stream_cta", s, steps, ctas) for s in range(steps)] == owner
+
+
+@pytest.mark.parametrize("T", [1, 2, 8, 9, 16, 17, 64, 4096])
+def test_small_t_takes_the_gemv_and_prefill_takes_cublas(T):
+    small = T <= GEMV_MAX_ROWS
+    assert C._cuda_plan("project_path", 1, T) == (GEMV if small else LIBRARY)
+    assert C._cuda_plan("project_path", 0, T) == LIBRARY  # fp32, unaligned or odd H: cuBLAS at any T
+    assert C._cuda_plan("inject_path", 1, T) == (GEMV if small else TENSOR_CORES)
+    assert C._cuda_plan("inject_path", 0, T) == SIMT
 
 
 @pytest.mark.parametrize("max_context,window,S,expected", [

@@ -168,9 +168,14 @@ def test_property_fp32(T, H, N, Hkv, half_D, extra_S, P, skip, seed):
     pytest.param(16, 576, 3, 3, 64, id="smollm2-block"),
     pytest.param(9, 100, 2, 2, 64, id="H-not-multiple-of-8"),
     pytest.param(9, 256, 2, 2, 96, id="D-96-simple-path"),
+    pytest.param(17, 1024, 2, 2, 128, id="tensor-cores-split-k"),
+    pytest.param(5, 64, 4, 2, 64, id="gemv-ctas-spanning-many-heads"),
 ])
-def test_cuda_model_shapes_and_fallbacks(T, H, N, Hkv, D, dtype):
-    check_inject(make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, device="cuda", seed=T + N))
+@pytest.mark.parametrize("skip_frac", [0.0, 0.5])
+def test_cuda_model_shapes_and_fallbacks(T, H, N, Hkv, D, dtype, skip_frac):
+    """The GEMV at T <= 16, the tensor-core kernel above (split K when few row tiles), the
+    SIMT path; skipped tokens (slot -1) on each."""
+    check_inject(make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, device="cuda", seed=T + N, skip_frac=skip_frac))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -135,13 +135,17 @@ def test_property_fp32(T, H, k, H_out, layout, seed):
     pytest.param(1, 4096, 5, 4096, id="qwen3-decode"),
     pytest.param(16, 4096, 5, 4096, id="qwen3-block"),
     pytest.param(2000, 4096, 5, 4096, id="qwen3-prefill"),
-    pytest.param(9000, 576, 3, 576, id="prefill-in-row-chunks"),
+    pytest.param(9000, 576, 3, 576, id="long-prefill"),
+    pytest.param(17, 576, 3, 576, id="first-cublas-row-count"),
     pytest.param(16, 576, 20, 576, id="more-features-than-kernel-slots"),
     pytest.param(5, 100, 3, 72, id="H-not-multiple-of-8"),
+    pytest.param(2, 64, 1, 4096, id="gemv-ctas-spanning-many-row-blocks"),
+    pytest.param(9, 64, 2, 90, id="gemv-partial-row-block"),
+    pytest.param(8, 1024, 3, 1024, id="gemv-one-token-tile-full"),
 ])
 def test_cuda_model_shapes_and_fallbacks(T, H, k, H_out, dtype):
-    """Drafter shapes (split-K at small T, many M tiles at prefill) and the shapes that
-    take the SIMT path in bf16/fp16."""
+    """Drafter shapes (the GEMV at T <= 16, cuBLAS above) and the shapes that take the
+    cuBLAS path in bf16/fp16 at any T (odd H)."""
     check_project(*make_project_inputs(T, H, k, H_out, dtype=dtype, device="cuda", seed=T + k))
 
 

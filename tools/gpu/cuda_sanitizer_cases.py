@@ -7,9 +7,12 @@
 
 Each case runs the op once and compares it with the fp32 reference (a loose check: the
 tests hold the tolerances; this script is about memory errors). Exits non-zero on a
-mismatch. Paths covered: tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV
-with the combine, empty splits; block_attention causal too) and the SIMT kernels (fp32,
-odd shapes); and the index guards: bad slots, positions and cache ranges with
+mismatch. Paths covered: the weight-streaming GEMV of project_features / inject_context_kv
+at T <= 16 (bf16/fp16; one and two 8-token tiles; CTAs spanning several row blocks, a
+partial last row block, skipped tokens), project_features' cuBLAS path (T > 16, fp32,
+odd H), tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV with the combine,
+empty splits; block_attention causal too) and the SIMT kernels (fp32, odd shapes); and
+the index guards: bad slots, positions and cache ranges with
 validate=False (skipped or clamped, so memcheck must see no access outside the tensors);
 block_conv (taps past the block's start, T > B).
 """
@@ -41,7 +44,10 @@ def compare(name, out, ref):
 
 def project_cases():
     for dtype in DTYPES:
-        for T, H, k, H_out in shapes([(1, 576, 3, 576), (16, 1024, 5, 1024), (70, 128, 2, 200), (3, 100, 2, 40)]):
+        # GEMV (1 tile, 2 tiles), cuBLAS (T > 16, odd H), GEMV with 8 row blocks per CTA, GEMV with a
+        # partial last row block (H_out % 32 != 0, H_out % 4 != 0)
+        for T, H, k, H_out in shapes([(1, 576, 3, 576), (16, 1024, 5, 1024), (70, 128, 2, 200), (3, 100, 2, 40),
+                                      (2, 64, 1, 4096), (9, 64, 2, 90)]):
             feats, w, nw, eps = make_project_inputs(T, H, k, H_out, dtype=dtype, device="cuda", seed=T)
             out = dflash_ext.project_features(feats, w, nw, eps)
             compare(f"project_features {dtype} T={T} H={H} k={k} H_out={H_out}", out,
@@ -50,7 +56,9 @@ def project_cases():
 
 def inject_cases():
     for dtype in DTYPES:
-        for T, H, N, Hkv, D in shapes([(1, 576, 3, 3, 64), (16, 1024, 2, 2, 128), (70, 256, 1, 2, 64), (5, 100, 2, 1, 96)]):
+        # GEMV (1 tile, 2 tiles), tensor cores, SIMT, tensor cores split 4 ways (T > 16)
+        for T, H, N, Hkv, D in shapes([(1, 576, 3, 3, 64), (16, 1024, 2, 2, 128), (70, 256, 1, 2, 64), (5, 100, 2, 1, 96),
+                                       (17, 1024, 2, 2, 128)]):
             inp = make_inject_inputs(T, H, N, Hkv, D, dtype=dtype, device="cuda", seed=T, sentinel=0.0)
             k_ref, v_ref = inp.k_cache.clone(), inp.v_cache.clone()
             dflash_ext.inject_context_kv(*inp.args())

@@ -1,7 +1,10 @@
 // inject_context_kv for one architecture: projects the context rows to K and V of every
 // drafter layer, RMS-norms and rotates K (per head), and scatters the rows into k_cache /
 // v_cache by `slots`.
-//   - tensor cores (bf16/fp16, D in {64, 128}, the weight-streaming GEMM): one launch for
+//   - T <= kGemvMaxRows (bf16/fp16, D in {64, 128}): the weight-streaming GEMV
+//     (weight_stream_gemv.cuh) over all layers' K and V weight rows; an epilogue group is
+//     one (layer, k|v, head): the CTA that completes its D rows writes the cache rows;
+//   - tensor cores (T > kGemvMaxRows, same inputs, the weight-streaming GEMM): one launch for
 //     all layers; each CTA owns one (layer, k|v, head) N-tile of width D, so its epilogue
 //     applies the per-head k RMSNorm and RoPE and scatters the rows. Few tokens give few
 //     CTAs, so the plan may split K (grid.z): the splits then write fp32 partials and the
@@ -13,6 +16,7 @@
 #pragma once
 #include "dflash/cuda/plans.h"
 #include "dflash/cuda/weight_stream_gemm.cuh"
+#include "dflash/cuda/weight_stream_gemv.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
 
@@ -109,6 +113,50 @@ inject_context_kv_tc_kernel(const __grid_constant__ InjectParams p) {
   }
 }
 
+inline constexpr int kInjectGemvMaxD = 128;  // a warp's head row of fp32 in the GEMV's scratch
+static_assert(kGemvWarps * kInjectGemvMaxD <= kGemvScratchFloats);
+
+// The GEMV path: weight row r is row r % D of group r / D = (layer, k|v, head), the
+// grouping of the tensor-core kernel's blockIdx.y.
+template <class T>
+struct InjectGemv {
+  static constexpr bool kSumSquares = false;  // store_kv_row norms each head itself
+  const InjectParams& p;
+  int tokens, rows, K;
+
+  __device__ const T* weight_row(int r) const {
+    const int group = r / p.D, layer = group / (2 * p.Hkv), head = group % p.Hkv;
+    const bool is_v = (group % (2 * p.Hkv)) >= p.Hkv;
+    return static_cast<const T*>(is_v ? p.v_weight : p.k_weight) +
+           ((static_cast<int64_t>(layer) * p.Hkv + head) * p.D + r % p.D) * p.H;
+  }
+  __device__ bool token_valid(int t) const { return t < tokens && inject_row_valid(p, t); }
+  __device__ const void* act(int t, int k) const { return static_cast<const T*>(p.ctx) + static_cast<int64_t>(t) * p.H + k; }
+  // The cache rows of group (layer, k|v, head): one warp per token.
+  __device__ void finish_group(int group, float* scratch, const GemvSchedule& s) const {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int layer = group / (2 * p.Hkv), head = group % p.Hkv;
+    const bool is_v = (group % (2 * p.Hkv)) >= p.Hkv;
+    float* x = scratch + warp * kInjectGemvMaxD;
+    const float* y = s.y + static_cast<int64_t>(group) * p.D;
+    const int64_t y_cols = static_cast<int64_t>(s.row_blocks) * kGemvRowBlock;
+    for (int t = warp; t < tokens; t += kGemvWarps) {
+      if (!inject_row_valid(p, t)) continue;
+      for (int d = lane; d < p.D; d += 32) x[d] = __ldcg(y + t * y_cols + d);
+      __syncwarp();
+      store_kv_row<T>(p, layer, is_v, head, t, x);
+      __syncwarp();
+    }
+  }
+};
+
+template <class T, int NT>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+inject_context_kv_gemv_kernel(const __grid_constant__ InjectParams p) {
+  const InjectGemv<T> problem{p, p.T, p.N * 2 * p.Hkv * p.D, p.H};
+  gemv_stream<T, NT>(problem, p.gemv);
+}
+
 // One block per (token, layer, k|v, head): the warps compute the D projections into
 // shared memory, then warp 0 writes the cache row.
 template <class T>
@@ -160,24 +208,39 @@ int inject_tc_ctas_per_sm() {
                                                            "inject_context_kv");
 }
 
-// Sets p.splits / p.k_tiles_per_split (the caller allocates p.workspace when splits > 1)
-// and returns whether the tensor-core kernel runs.
+template <class T, int NT>
+int inject_gemv_ctas_per_sm() {
+  return prepare_kernel<&inject_context_kv_gemv_kernel<T, NT>>(kGemvThreads, 0, "inject_context_kv");
+}
+
+// Sets p.path (GemmPath) and its schedule: p.gemv for the GEMV (the caller allocates its
+// workspace), p.splits / p.k_tiles_per_split for the tensor-core kernel (the caller
+// allocates p.workspace when splits > 1). Returns whether a tensor-core path runs.
 bool inject_context_kv_plan(InjectParams& p, const DeviceLimits& dev) {
-  p.tensor_cores = p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && p.H % 8 == 0 &&
-                   aligned16(p.ctx) && aligned16(p.k_weight) && aligned16(p.v_weight) &&
-                   weight_stream_smem_bytes<kGemmBM, 128>(2) <= dev.max_smem_per_block;
+  const bool inputs = p.dtype != DType::kFloat32 && (p.D == 64 || p.D == 128) && p.H % 8 == 0 &&
+                      aligned16(p.ctx) && aligned16(p.k_weight) && aligned16(p.v_weight) &&
+                      weight_stream_smem_bytes<kGemmBM, 128>(2) <= dev.max_smem_per_block;
+  const GemmPath path = inject_context_kv_path(inputs, p.T);
   const int k_tiles = ceil_div(p.H, kGemmBK);
+  p.path = static_cast<int>(path);
   p.splits = 1;
   p.k_tiles_per_split = k_tiles;
-  if (!p.tensor_cores) return false;
+  p.gemv = GemvSchedule{};
+  if (path == GemmPath::kSimt) return false;
   int per_sm = 1;
   auto occupancy = [&]<class T>() {
-    if constexpr (!std::is_same_v<T, float>)
-      per_sm = p.D == 64 ? inject_tc_ctas_per_sm<T, 64>() : inject_tc_ctas_per_sm<T, 128>();
+    if constexpr (!std::is_same_v<T, float>) {
+      if (path == GemmPath::kGemv) per_sm = p.T <= 8 ? inject_gemv_ctas_per_sm<T, 1>() : inject_gemv_ctas_per_sm<T, 2>();
+      else per_sm = p.D == 64 ? inject_tc_ctas_per_sm<T, 64>() : inject_tc_ctas_per_sm<T, 128>();
+    }
   };
   dispatch_all_types(p.dtype, occupancy);
+  if (path == GemmPath::kGemv) {  // an epilogue group is one head's D rows
+    p.gemv = gemv_schedule(p.T, static_cast<int64_t>(p.N) * 2 * p.Hkv * p.D, p.H, p.D, dev, per_sm);
+    return true;
+  }
   // One CTA per (row tile, layer, k|v, head) streams a whole D x H weight slice: with few
-  // tokens that is too few CTAs for the SMs (18 for a SmolLM2 drafter), so split K.
+  // row tiles that is too few CTAs for the SMs, so split K (within one wave).
   const int64_t ctas = static_cast<int64_t>(ceil_div(p.T, kGemmBM)) * p.N * 2 * p.Hkv;
   const SplitPlan plan = gemm_split_plan(ctas, k_tiles, static_cast<int64_t>(dev.num_sms) * per_sm);
   p.splits = plan.splits;
@@ -202,7 +265,13 @@ void launch_inject_tc(const InjectParams& p, cudaStream_t stream) {
 void inject_context_kv(const InjectParams& p, cudaStream_t stream) {
   auto run = [&]<class T>() {
     if constexpr (!std::is_same_v<T, float>) {
-      if (p.tensor_cores) {
+      if (p.path == static_cast<int>(GemmPath::kGemv)) {
+        if (p.T <= 8) inject_context_kv_gemv_kernel<T, 1><<<p.gemv.ctas, kGemvThreads, 0, stream>>>(p);
+        else inject_context_kv_gemv_kernel<T, 2><<<p.gemv.ctas, kGemvThreads, 0, stream>>>(p);
+        check_launch("inject_context_kv_gemv_kernel");
+        return;
+      }
+      if (p.path == static_cast<int>(GemmPath::kTensorCores)) {
         if (p.D == 64) launch_inject_tc<T, 64>(p, stream);
         else launch_inject_tc<T, 128>(p, stream);
         return;

@@ -25,7 +25,32 @@ struct DeviceLimits {
 // context (block_attention's max_context); repeated slots write a mix of those tokens'
 // rows (K/V and heads come from different CTAs), never outside them.
 
-// project_features: out = rms_norm(concat(features) @ fc_weight^T) * norm_weight.
+// The schedule and workspace of a weight-streaming GEMV launch (weight_stream_gemv.cuh;
+// the sizes come from gemv_plan in plans.h, set by the op's plan function).
+struct GemvSchedule {
+  int ctas;            // grid size (one wave at most)
+  int row_blocks;      // of kGemvRowBlock weight rows
+  int k_steps;         // of kGemvStepK, per row block
+  int blocks_per_group;  // row blocks of one epilogue group
+  float* partials;     // [ctas + row_blocks][T][kGemvRowBlock]: CTA c's sum over its part of block b at slot c + b
+  float* y;            // [T][row_blocks * kGemvRowBlock]: the full sums
+  float* ss;           // [row_blocks][T]: sum of squares of y over a block's rows (project_features)
+  int* counters;       // [row_blocks + groups], zero at launch: partials in, then blocks done per group
+  int64_t y_offset, ss_offset, workspace_floats;  // floats of the one fp32 workspace (partials at 0)
+  int64_t counter_count;
+};
+// Points the schedule at its workspace (workspace_floats fp32) and counters (counter_count
+// ints, zeroed).
+inline void bind_gemv_workspace(GemvSchedule& s, float* workspace, int* counters) {
+  s.partials = workspace;
+  s.y = workspace + s.y_offset;
+  s.ss = workspace + s.ss_offset;
+  s.counters = counters;
+}
+
+// project_features: out = rms_norm(concat(features) @ fc_weight^T) * norm_weight. The
+// kernel (the GEMV) runs for T <= kGemvMaxRows; the dispatcher runs every other case
+// through cuBLAS (project_features_path in plans.h).
 inline constexpr int kMaxFeatures = 16;  // more are concatenated on the host first
 struct ProjectFeaturesParams {
   const void* features[kMaxFeatures];  // k tensors [T, H]
@@ -33,16 +58,10 @@ struct ProjectFeaturesParams {
   const void* fc_weight;    // [H_out, k*H]
   const void* norm_weight;  // [H_out]
   void* out;                // [T, H_out]
-  float* workspace;         // [splits, T, H_out] fp32 partial sums
-  int splits;               // split-K factor (set by project_features_plan)
-  int k_tiles_per_split;    // K tiles each split reduces (tensor-core path)
-  bool tensor_cores;        // set by the plan: tensor-core kernel, else the SIMT path
+  GemvSchedule gemv;        // set by project_features_plan, workspace by the dispatcher
   float eps;
   DType dtype;
 };
-// project_features_finalize keeps a row of up to this many outputs in shared memory, so
-// that it adds the splits once (a longer row adds them twice).
-inline constexpr int kFinalizeCachedCols = 11 * 1024;  // 44 KiB: under the 48 KiB needing no opt-in
 
 // inject_context_kv: for every layer n, token t with slots[t] >= 0:
 // k_cache[n, slots[t]] = rope(rms_norm(ctx[t] @ k_weight[n]^T per head)), v_cache likewise.
@@ -58,12 +77,13 @@ struct InjectParams {
   const int64_t* slots;       // [T] in [-1, S), -1 = skip
   void* k_cache;              // [N, S, Hkv, D]
   void* v_cache;              // [N, S, Hkv, D]
-  float* workspace;           // [splits, N * 2 * Hkv, T, D] fp32 partial sums (splits > 1)
+  float* workspace;           // [splits, N * 2 * Hkv, T, D] fp32 partial sums (tensor cores, splits > 1)
+  GemvSchedule gemv;          // the GEMV path's schedule (T <= kGemvMaxRows), workspace by the dispatcher
   int T, H, N, Hkv, D;
   int64_t S, P;
   float eps;
   DType dtype;
-  bool tensor_cores;      // set by the plan: tensor-core kernel, else the SIMT path
+  int path;               // GemmPath (plans.h), set by the plan
   int splits;             // split-K factor (set by the plan; > 1: a finalize pass does the epilogue)
   int k_tiles_per_split;  // K tiles each split reduces
 };
@@ -112,9 +132,11 @@ struct BlockConvParams {
 };
 
 // One set of launchers per compiled architecture (csrc/cuda/*_sm*.cu). A plan function
-// picks the kernel for the problem, fills the scheduling fields (splits) from the SM
-// count, and returns whether the tensor-core kernel runs (false: the SIMT path, also
-// taken where the device has too little shared memory for the tensor-core tile).
+// picks the kernel for the problem and fills the scheduling fields (splits, the GEMV
+// schedule) from the SM count and occupancy. project_features_plan returns whether its
+// kernel runs (false: the dispatcher's cuBLAS path); inject_context_kv_plan and
+// block_attention_plan whether a tensor-core or GEMV kernel runs (false: the SIMT path,
+// also taken where the device has too little shared memory for the tensor-core tile).
 #define DFLASH_DECLARE_ARCH_LAUNCHERS(arch)                                        \
   namespace arch {                                                                 \
   bool project_features_plan(ProjectFeaturesParams& p, const DeviceLimits& dev);   \

@@ -39,12 +39,81 @@ inline SplitPlan attention_split_plan(int64_t ctas, int64_t max_keys, int key_ti
   return split_plan(ctas, tiles, (kAttnMinKeysPerSplit + key_tile - 1) / key_tile, kAttnMaxSplits, wave);
 }
 
-// project_features and inject_context_kv: split-K over K tiles, each split streaming at
-// least kGemmMinKTilesPerSplit tiles of the weight.
+// inject_context_kv's tensor-core kernel (T > kGemvMaxRows): split-K over K tiles, each
+// split streaming at least kGemmMinKTilesPerSplit tiles of the weight. The splits are
+// rounded down to whole waves (ctas x splits <= wave where the grid is split): rounding up
+// made 288 or 320 CTAs for a 264-CTA wave, a second wave nearly empty.
 inline constexpr int kGemmMinKTilesPerSplit = 4;
 inline constexpr int kGemmMaxSplits = 64;
 inline SplitPlan gemm_split_plan(int64_t ctas, int64_t k_tiles, int64_t wave) {
-  return split_plan(ctas, k_tiles, kGemmMinKTilesPerSplit, kGemmMaxSplits, wave);
+  ctas = std::max<int64_t>(ctas, 1);
+  const int64_t whole = std::max<int64_t>(wave / ctas, 1) * ctas;  // splits = whole / ctas
+  return split_plan(ctas, k_tiles, kGemmMinKTilesPerSplit, kGemmMaxSplits, whole);
+}
+
+// ---- The weight-streaming GEMV (weight_stream_gemv.cuh): y[T, rows] = X[T, K] W[rows, K]^T
+// for T <= kGemvMaxRows, the weight as the MMA's M operand (16 weight rows x 8 tokens), so
+// no MMA row is padding for a token that is not there (a 64-row wgmma tile was 48-63 rows
+// of zeros at T <= 16). The work is row blocks of kGemvRowBlock weight rows x K steps of
+// kGemvStepK, numbered row block major; CTA c of `ctas` streams steps
+// [c * steps / ctas, (c + 1) * steps / ctas) (stream-K: every CTA the same weight bytes, one
+// wave), writes one fp32 partial per row block it touches, and the last CTA of a row block
+// (a counter) adds them, in CTA order (deterministic); the last row block of a group
+// (project_features: all of them, the RMSNorm; inject_context_kv: one head) does the op's
+// epilogue.
+inline constexpr int kGemvMaxRows = 16;     // tokens: two 8-column MMA tiles
+inline constexpr int kGemvRowBlock = 32;    // weight rows per block: two 16-row MMA tiles
+inline constexpr int kGemvStepK = 32;       // K per step: one 16-byte load per thread and row
+inline constexpr int kGemvMinStepsPerCta = 16;  // 32 KiB of bf16 weight: fewer steps cost more than a CTA saves
+
+struct GemvPlan {
+  int64_t ctas;          // grid size: min(wave, steps / kGemvMinStepsPerCta), >= 1
+  int64_t row_blocks;    // ceil(rows / kGemvRowBlock)
+  int64_t k_steps;       // ceil(K / kGemvStepK): steps per row block
+  int64_t groups;        // ceil(row_blocks / row blocks per group)
+  int64_t partial_floats, y_floats, ss_floats;  // the fp32 workspace: partials, y, per-block sums of squares
+  int64_t counters;      // ints, zeroed before the launch: row_blocks + groups
+};
+// Row blocks of one epilogue group. rows_per_group: a multiple of kGemvRowBlock, or >= rows
+// (one group).
+inline int64_t gemv_blocks_per_group(int64_t rows, int64_t rows_per_group) {
+  if (rows_per_group >= rows) return (std::max<int64_t>(rows, 1) + kGemvRowBlock - 1) / kGemvRowBlock;
+  return std::max<int64_t>(1, rows_per_group / kGemvRowBlock);
+}
+// rows_per_group: a multiple of kGemvRowBlock, or >= rows (one group).
+inline GemvPlan gemv_plan(int64_t T, int64_t rows, int64_t K, int64_t rows_per_group, int64_t wave) {
+  GemvPlan p{};
+  p.row_blocks = (std::max<int64_t>(rows, 1) + kGemvRowBlock - 1) / kGemvRowBlock;
+  p.k_steps = (std::max<int64_t>(K, 1) + kGemvStepK - 1) / kGemvStepK;
+  const int64_t steps = p.row_blocks * p.k_steps;
+  p.ctas = std::clamp<int64_t>(steps / kGemvMinStepsPerCta, 1, std::max<int64_t>(wave, 1));
+  const int64_t blocks_per_group = gemv_blocks_per_group(rows, rows_per_group);
+  p.groups = (p.row_blocks + blocks_per_group - 1) / blocks_per_group;
+  // CTA c's partial of row block b is slot c + b: the (CTA, row block) pairs of a stream-K
+  // schedule form a monotone staircase, so c + b is unique, below ctas + row_blocks.
+  p.partial_floats = (p.ctas + p.row_blocks) * kGemvRowBlock * T;
+  p.y_floats = T * p.row_blocks * kGemvRowBlock;
+  p.ss_floats = p.row_blocks * T;
+  p.counters = p.row_blocks + p.groups;
+  return p;
+}
+
+// The CTA of a stream-K schedule (CTA c starts at step c * steps / ctas) that runs `step`
+// (host and device: the kernel finds the CTAs of a row block with it).
+DFLASH_HOST_DEVICE constexpr int64_t stream_cta_of(int64_t step, int64_t steps, int64_t ctas) { return ((step + 1) * ctas - 1) / steps; }
+
+// ---- Which kernel an op runs. project_features: the GEMV for 16-bit, 16-byte aligned
+// inputs with H % 8 == 0 and T <= kGemvMaxRows; every other case (prefill-sized T, fp32,
+// odd shapes) runs cuBLAS (at::mm, fp32 output) + at::rms_norm: at T > kGemvMaxRows the
+// weight is read once per 16 rows by any kernel of this shape and cuBLAS's tiles are the
+// better GEMM (docs/ops.md). inject_context_kv: the GEMV at T <= kGemvMaxRows, the
+// tensor-core kernel above, SIMT where the tensor-core rules fail.
+enum class GemmPath : int { kLibrary = 0, kGemv = 1, kTensorCores = 2, kSimt = 3 };
+inline GemmPath project_features_path(bool tensor_core_inputs, int64_t T) {
+  return tensor_core_inputs && T <= kGemvMaxRows ? GemmPath::kGemv : GemmPath::kLibrary;
+}
+inline GemmPath inject_context_kv_path(bool tensor_core_inputs, int64_t T) {
+  return !tensor_core_inputs ? GemmPath::kSimt : T <= kGemvMaxRows ? GemmPath::kGemv : GemmPath::kTensorCores;
 }
 
 // Keys a sequence can attend to in a launch planned for `max_context` context rows

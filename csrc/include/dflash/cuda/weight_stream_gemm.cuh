@@ -1,6 +1,7 @@
-// The weight-streaming GEMM shared by project_features and inject_context_kv:
+// The weight-streaming tile GEMM of inject_context_kv's tensor-core kernel (T > kGemvMaxRows;
+// fewer tokens take the GEMV of weight_stream_gemv.cuh):
 // C[T, N] = A[T, K] * W[N, K]^T (both row-major), a cp.async multi-stage pipeline feeding
-// TileGemm over a range of K tiles (split-K). Each op's header has its kernel: where A's
+// TileGemm over a range of K tiles (split-K). The op's header has the kernel: where A's
 // rows come from and what the epilogue does with the accumulators.
 // Requirements (checked by the plan functions, else the SIMT path runs): bf16/fp16,
 // H % 8 == 0 (16-byte chunks never straddle a feature segment), 16-byte aligned bases.
