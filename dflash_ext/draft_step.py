@@ -1,8 +1,9 @@
 """The draft step of :class:`~dflash_ext.drafter.DFlashDrafter` over the fused ops (inference):
 the stacked K/V weights and RoPE tables the ops read, :meth:`DraftStep.add_context` (target
 features into the context cache) and :meth:`DraftStep.draft_hidden` (the layers over a block).
-The v1 layers run on the fused path of :meth:`DraftStep._fused_layer` (about 10 ops a
-layer); DecoderLayer.forward, which training runs, is its reference (``fused=False``).
+The layers run on the fused path of :meth:`DraftStep._fused_layer` (10 ops a v1 layer),
+the symmetric-window ones excepted; DecoderLayer.forward, which training runs, is its
+reference (``fused=False``).
 A mixin: DFlashDrafter has these methods."""
 from typing import Sequence
 
@@ -118,7 +119,7 @@ class DraftStep:
                 def attend(q, k, v, i=i):
                     return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale, window=cache.windows[i],
                                      causal=cache.causal[i], **fused_args)
-            if fused and not symmetric[i] and not hasattr(layer, "attention_conv"):
+            if fused and not symmetric[i]:
                 x, pending = self._fused_layer(layer, *weights[i], x, pending, *token_rope, attend)
                 continue
             if pending is not None:
@@ -131,29 +132,40 @@ class DraftStep:
 
     @staticmethod
     def _fused_layer(layer, qkv_weight, gate_up_weight, x, pending, cos, sin, attend):
-        """One v1 decoder layer (DecoderLayer.forward's math, its reference) over the blocks
-        ``x [Bsz, B, H]`` in 10 compute ops: the norms on ops.rms_norm (each adding the residual
-        branch before it), one GEMM each for q/k/v, o, gate/up and down, ops.qk_norm_rope for
-        q and k (v is a view of the q/k/v GEMM's output), `attend`, and SiLU(gate) * up.
-        ``cos, sin [Bsz * B, D]``. `pending`: the previous layer's MLP output not yet added to x
-        (None: x is complete). Returns (x, this layer's MLP output) likewise."""
+        """One decoder layer (DecoderLayer.forward's math, its reference) over the blocks
+        ``x [Bsz, B, H]`` in 10 compute ops for a v1 layer: the norms on ops.rms_norm (each
+        adding the residual branch before it), one GEMM each for q/k/v, o, gate/up and down,
+        ops.qk_norm_rope for q and k (v is a view of the q/k/v GEMM's output), `attend`, and
+        SiLU(gate) * up; a DFlash2 layer adds its convolutions' delta GEMMs and ops.block_conv
+        around the attention and the MLP. ``cos, sin [Bsz * B, D]``. `pending`: the previous
+        layer's MLP output not yet added to x (None: x is complete). Returns (x, this layer's
+        MLP output) likewise."""
         Hq, Hkv, D = layer.heads
         a, shape = layer.self_attn, x.shape
+        conv, mlp_conv = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)
         norm = layer.input_layernorm
         if pending is None:
             h = ops.rms_norm(x, norm.weight, norm.eps)
         else:
             x, h = ops.rms_norm(pending, norm.weight, norm.eps, residual=x)
+        if conv is not None:
+            deltas = conv.deltas(h)
+            h = conv(h, deltas, 0, ops.block_conv)
         qkv = F.linear(h.view(-1, shape[-1]), qkv_weight)  # [M, (Hq + 2 Hkv) * D]
         q, k = ops.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, cos, sin, Hq, Hkv, a.q_norm.eps)
         lead = shape[:-1]
         v = qkv[:, (Hq + Hkv) * D:].view(*lead, Hkv, D)
         y = F.linear(attend(q.view(*lead, Hq, D), k.view(*lead, Hkv, D), v).view(-1, Hq * D), a.o_proj.weight)
+        y = y.view(shape) if conv is None else conv(y.view(shape), deltas, 1, ops.block_conv)
         norm = layer.post_attention_layernorm
-        x, h = ops.rms_norm(y.view(shape), norm.weight, norm.eps, residual=x)
+        x, h = ops.rms_norm(y, norm.weight, norm.eps, residual=x)
+        if mlp_conv is not None:
+            deltas = mlp_conv.deltas(h)
+            h = mlp_conv(h, deltas, 0, ops.block_conv)
         gate_up = F.linear(h.view(-1, shape[-1]), gate_up_weight)
         inter = gate_up.shape[-1] // 2
-        return x, F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight).view(shape)
+        out = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight).view(shape)
+        return x, out if mlp_conv is None else mlp_conv(out, deltas, 1, ops.block_conv)
 
 
 def _weights_key(params):

@@ -19,11 +19,17 @@ namespace {
 
 constexpr int64_t kGrainElements = int64_t{1} << 14;  // elements per parallel chunk, at least
 
+// 1 / sqrt(mean(v^2) + eps) of the n fp32 values at v.
+float inv_rms(const float* v, int64_t n, float eps) {
+  return 1.f / std::sqrt(sum_of_squares(v, n) / static_cast<float>(n) + eps);
+}
+
 template <typename T>
 void rms_norm_impl(const T* x, const T* residual, const float* w, T* sum_out, T* out, const RmsNormDims& d,
                    double eps) {
   const int64_t H = d.H;
-  at::parallel_for(0, d.rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, H)), [&](int64_t r0, int64_t r1) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, H));
+  at::parallel_for(0, d.rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(H), res(residual != nullptr ? H : 0);
     for (int64_t r = r0; r < r1; ++r) {
       to_float(x + r * H, row.data(), H);
@@ -33,8 +39,7 @@ void rms_norm_impl(const T* x, const T* residual, const float* w, T* sum_out, T*
         from_float(row.data(), sum_out + r * H, H);
         to_float(sum_out + r * H, row.data(), H);
       }
-      const float inv = 1.f / std::sqrt(sum_of_squares(row.data(), H) / static_cast<float>(H) + static_cast<float>(eps));
-      scale_by_weight(row.data(), w, inv, H);
+      scale_by_weight(row.data(), w, inv_rms(row.data(), H, static_cast<float>(eps)), H);
       from_float(row.data(), out + r * H, H);
     }
   });
@@ -74,7 +79,7 @@ template <typename T>
 void norm_rope_head(const T* src, const float* w, const float* cos, const float* sin, float eps, float* h, T* dst,
                     int64_t D) {
   to_float(src, h, D);
-  scale_by_weight(h, w, 1.f / std::sqrt(sum_of_squares(h, D) / static_cast<float>(D) + eps), D);
+  scale_by_weight(h, w, inv_rms(h, D, eps), D);
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; ++i) {  // rotate_half: [-x2, x1]
     const float x1 = h[i], x2 = h[i + half];

@@ -46,9 +46,12 @@ def target():
     return tiny_target("qwen3")
 
 
-def propose_ops(target, num_layers, fused):
+def propose_ops(target, num_layers, fused, dflash2=False):
     """The ops of one propose (after a first one: caches and stacked weights built once)."""
     drafter = DFlashDrafter.from_target(target.config, num_layers=num_layers, block_size=8, seed=1)
+    if dflash2:
+        drafter = DFlashDrafter.dflash2_from(drafter, conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                                             selector_top_k=4)
     ids = torch.tensor([[5, 17, 33, 2, 9, 41]])
     _, hidden, _ = TargetRunner(target, drafter.config.target_layer_ids)(ids, None)
     proposer = DFlashProposer(drafter, target, capacity=64, fused=fused)
@@ -68,6 +71,15 @@ def test_fused_step_has_at_most_12_compute_ops_per_layer(target):
     # each layer: its two norms, one GEMM each for q/k/v, o, gate/up and down, q/k norm + RoPE, attention
     assert layer_ops["aten.mm"] == 2 * 4 and layer_ops["dflash_ext.qk_norm_rope"] == 2
     assert layer_ops["dflash_ext.block_attention"] == 2 and layer_ops["dflash_ext.add_rms_norm"] == 2 * 2
+
+
+def test_dflash2_layers_add_only_their_convolutions(target):
+    """A DFlash2 layer: the v1 layer's ops plus its two convolutions' delta GEMMs and four
+    block_conv calls."""
+    v1 = [propose_ops(target, n, fused=True) for n in (1, 3)]
+    v2 = [propose_ops(target, n, fused=True, dflash2=True) for n in (1, 3)]
+    extra = (v2[1].ops - v2[0].ops) - (v1[1].ops - v1[0].ops)
+    assert dict(extra) == {"aten.mm": 2 * 2, "dflash_ext.block_conv": 2 * 4}
 
 
 def test_the_unfused_reference_path_is_the_many_op_baseline(target):

@@ -1,5 +1,6 @@
 """The fused draft layers (DraftStep._fused_layer: stacked q/k/v and gate/up GEMMs,
-ops.rms_norm with the residual add, ops.qk_norm_rope) against their reference,
+ops.rms_norm with the residual add, ops.qk_norm_rope; DFlash2's convolutions on ops.block_conv)
+against their reference,
 DecoderLayer.forward (fused=False): hidden states within the dtype's tolerance on random
 drafters, layouts mixing fused and unfused layers, the stacked weights following the
 parameters, the checkpoint format unchanged, and the same greedy drafts on tiny targets."""
@@ -61,6 +62,20 @@ def test_fused_layers_beside_unfused_ones():
     last_unfused = _drafter(num_layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=3,
                             causal=False)
     _assert_hidden_close(_draft_hidden(last_unfused, True), _draft_hidden(last_unfused, False), 2e-5)
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
+def test_fused_dflash2_layers_match_the_decoder_layer(dtype, rel):
+    """DFlash2's convolutions (random, away from their identity) around the fused attention and MLP."""
+    drafter = DFlashDrafter.dflash2_from(_drafter(), conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                                         selector_top_k=4)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(0.2 * torch.randn_like(conv.base_kernel))
+                conv.kernel_projection.weight.normal_(std=0.05)
+    drafter.to(dtype)
+    _assert_hidden_close(_draft_hidden(drafter, True), _draft_hidden(drafter, False), rel)
 
 
 def test_stacked_weights_follow_the_parameters():
