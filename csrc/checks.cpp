@@ -209,4 +209,47 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
   }
 }
 
+// ---------------------------------------------------------------- the draft layer's norms (appended block)
+
+RmsNormDims check_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.defined() && x.dim() >= 1, "x must be a tensor [..., H] of at least 1 dimension, got shape ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(is_supported_float(x.scalar_type()), "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const int64_t H = x.size(-1);
+  if (residual.defined()) {
+    check_tensor(residual, "residual", x.dim(), x, "x");
+    check_shape(residual, "residual", x.sizes());
+  }
+  check_tensor(weight, "weight", 1, x, "x");
+  check_shape(weight, "weight", {H});
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  return {H == 0 ? 0 : x.numel() / H, H};
+}
+
+QkNormRopeDims check_qk_norm_rope(const at::Tensor& qkv, const at::Tensor& q_norm_weight,
+                                  const at::Tensor& k_norm_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                  int64_t num_q_heads, int64_t num_kv_heads, double eps) {
+  TORCH_CHECK(qkv.defined() && qkv.dim() == 2, "qkv must be a 2-D tensor [M, (Hq + 2*Hkv) * D], got shape ",
+              qkv.defined() ? qkv.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(is_supported_float(qkv.scalar_type()), "qkv must be float32, bfloat16 or float16, got ",
+              qkv.scalar_type());
+  TORCH_CHECK(num_q_heads > 0, "num_q_heads must be >= 1, got ", num_q_heads);
+  TORCH_CHECK(num_kv_heads > 0, "num_kv_heads must be >= 1, got ", num_kv_heads);
+  check_tensor(q_norm_weight, "q_norm_weight", 1, qkv, "qkv");
+  const int64_t M = qkv.size(0), D = q_norm_weight.size(0);
+  TORCH_CHECK(D > 0 && D % 2 == 0, "q_norm_weight must have shape [D] with D even (rotate_half RoPE), got ",
+              q_norm_weight.sizes());
+  check_tensor(k_norm_weight, "k_norm_weight", 1, qkv, "qkv");
+  check_shape(k_norm_weight, "k_norm_weight", {D});
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D, "qkv must have shape [M, (Hq + 2*Hkv) * D] = [M, ",
+              (num_q_heads + 2 * num_kv_heads) * D, "] for Hq=", num_q_heads, ", Hkv=", num_kv_heads, ", D=", D,
+              " (the size of q_norm_weight), got ", qkv.sizes());
+  check_tensor(cos, "cos", 2, qkv, "qkv");
+  check_shape(cos, "cos", {M, D});
+  check_tensor(sin, "sin", 2, qkv, "qkv");
+  check_shape(sin, "sin", {M, D});
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  return {M, num_q_heads, num_kv_heads, D};
+}
+
 }  // namespace dflash

@@ -47,3 +47,13 @@ TORCH_LIBRARY_IMPL(dflash_ext, CompositeExplicitAutograd, m) {
   m.impl("skinny_linear", &skinny_linear_library);
   m.impl("block_conv", &block_conv_unfused);
 }
+
+// The draft layer's norms (appended block; kernels in cpu/norms.cpp and cuda/norms_*.cu). rms_norm and
+// add_rms_norm take x [..., H]; qk_norm_rope takes a layer's stacked q/k/v projection [M, (Hq + 2 Hkv) * D].
+TORCH_LIBRARY_FRAGMENT(dflash_ext, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "qk_norm_rope(Tensor qkv, Tensor q_norm_weight, Tensor k_norm_weight, Tensor cos, Tensor sin, "
+      "int num_q_heads, int num_kv_heads, float eps) -> (Tensor, Tensor)");
+}

@@ -1,10 +1,14 @@
 """The draft step of :class:`~dflash_ext.drafter.DFlashDrafter` over the fused ops (inference):
 the stacked K/V weights and RoPE tables the ops read, :meth:`DraftStep.add_context` (target
 features into the context cache) and :meth:`DraftStep.draft_hidden` (the layers over a block).
+The layers run on the fused path of :meth:`DraftStep._fused_layer` (10 ops a v1 layer),
+the symmetric-window ones excepted; DecoderLayer.forward, which training runs, is its
+reference (``fused=False``).
 A mixin: DFlashDrafter has these methods."""
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import ops, reference
 from .draft_cache import DraftCache
@@ -13,20 +17,32 @@ from .drafter_masks import windowed_bidirectional_attention
 
 class DraftStep:
     """DFlashDrafter's draft step (it holds `config`, `layers`, `fc`, `hidden_norm`, `norm`,
-    and the `_stacked` / `_rope` caches)."""
+    and the `_stacked` / `_layer_weights` / `_rope` caches)."""
 
     def _stacked_kv_weights(self):
         """[N, Hkv*D, H] K and V weights and [N, D] k_norm weights of all layers, rebuilt
         only when a weight changed (training, loading, .to())."""
-        params = [p for l in self.layers for p in (l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
-                                                    l.self_attn.k_norm.weight)]
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        key = _weights_key(p for l in self.layers for p in (l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
+                                                             l.self_attn.k_norm.weight))
         if self._stacked is None or self._stacked[0] != key:
             attn = [l.self_attn for l in self.layers]
             self._stacked = (key, torch.stack([a.k_proj.weight.detach() for a in attn]),
                              torch.stack([a.v_proj.weight.detach() for a in attn]),
                              torch.stack([a.k_norm.weight.detach() for a in attn]))
         return self._stacked[1:]
+
+    def _stacked_layer_weights(self):
+        """Per layer, (q/k/v weight [(Hq + 2 Hkv) * D, H], gate/up weight [2 I, H]): each
+        layer's projections stacked for the fused path's two GEMMs, rebuilt only when a weight
+        changed. A copy beside the parameters, which keep their names (the checkpoint format)."""
+        key = _weights_key(l.weight for layer in self.layers for l in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+            layer.mlp.up_proj))
+        if self._layer_weights is None or self._layer_weights[0] != key:
+            self._layer_weights = (key, [
+                (torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]).detach(),
+                 torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]).detach()) for l in self.layers])
+        return self._layer_weights[1]
 
     def rope_tables(self, length: int):
         """cos, sin [P, D] covering positions < length, computed by transformers' own Qwen3
@@ -84,14 +100,16 @@ class DraftStep:
         `rope` and `validate` as in :meth:`add_context`; with ``validate=False`` the
         attention is planned for the cache's capacity (a static bound: CUDA graphs)."""
         cos, sin = rope if rope is not None else self.rope_tables(int(positions.max()) + 1)
-        cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+        cos, sin = cos[positions], sin[positions]  # [Bsz, B, D]
         attention = ops.block_attention if fused else reference.block_attention
         block_conv = ops.block_conv if fused else reference.block_conv
         fused_args = dict(max_context=-1 if validate else cache.capacity, validate=validate) if fused else {}
         offsets, lens = cache.offsets, cache.lens
         scale = self.config.head_dim ** -0.5
         symmetric = self.config.layer_symmetric_window
-        x = block_embeds
+        weights = self._stacked_layer_weights() if fused else None
+        token_rope = cos.flatten(0, 1), sin.flatten(0, 1)  # [Bsz * B, D]: the fused layers' rows
+        x, pending = block_embeds, None  # pending: a fused layer's MLP output, added by the next norm
         for i, layer in enumerate(self.layers):
             if symmetric[i]:  # not fused yet (the op has no symmetric window): plain torch, both paths
                 def attend(q, k, v, i=i):
@@ -101,5 +119,56 @@ class DraftStep:
                 def attend(q, k, v, i=i):
                     return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale, window=cache.windows[i],
                                      causal=cache.causal[i], **fused_args)
-            x = layer(x, cos, sin, attend, block_conv)
-        return self.norm(x)
+            if fused and not symmetric[i]:
+                x, pending = self._fused_layer(layer, *weights[i], x, pending, *token_rope, attend)
+                continue
+            if pending is not None:
+                x, pending = x + pending, None
+            x = layer(x, cos[:, :, None, :], sin[:, :, None, :], attend, block_conv)
+        if not fused:
+            return self.norm(x)
+        return ops.rms_norm(x, self.norm.weight, self.norm.eps) if pending is None else \
+            ops.rms_norm(pending, self.norm.weight, self.norm.eps, residual=x)[1]
+
+    @staticmethod
+    def _fused_layer(layer, qkv_weight, gate_up_weight, x, pending, cos, sin, attend):
+        """One decoder layer (DecoderLayer.forward's math, its reference) over the blocks
+        ``x [Bsz, B, H]`` in 10 compute ops for a v1 layer: the norms on ops.rms_norm (each
+        adding the residual branch before it), one GEMM each for q/k/v, o, gate/up and down,
+        ops.qk_norm_rope for q and k (v is a view of the q/k/v GEMM's output), `attend`, and
+        SiLU(gate) * up; a DFlash2 layer adds its convolutions' delta GEMMs and ops.block_conv
+        around the attention and the MLP. ``cos, sin [Bsz * B, D]``. `pending`: the previous
+        layer's MLP output not yet added to x (None: x is complete). Returns (x, this layer's
+        MLP output) likewise."""
+        Hq, Hkv, D = layer.heads
+        a, shape = layer.self_attn, x.shape
+        conv, mlp_conv = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)
+        norm = layer.input_layernorm
+        if pending is None:
+            h = ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, h = ops.rms_norm(pending, norm.weight, norm.eps, residual=x)
+        if conv is not None:
+            deltas = conv.deltas(h)
+            h = conv(h, deltas, 0, ops.block_conv)
+        qkv = F.linear(h.view(-1, shape[-1]), qkv_weight)  # [M, (Hq + 2 Hkv) * D]
+        q, k = ops.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, cos, sin, Hq, Hkv, a.q_norm.eps)
+        lead = shape[:-1]
+        v = qkv[:, (Hq + Hkv) * D:].view(*lead, Hkv, D)
+        y = F.linear(attend(q.view(*lead, Hq, D), k.view(*lead, Hkv, D), v).view(-1, Hq * D), a.o_proj.weight)
+        y = y.view(shape) if conv is None else conv(y.view(shape), deltas, 1, ops.block_conv)
+        norm = layer.post_attention_layernorm
+        x, h = ops.rms_norm(y, norm.weight, norm.eps, residual=x)
+        if mlp_conv is not None:
+            deltas = mlp_conv.deltas(h)
+            h = mlp_conv(h, deltas, 0, ops.block_conv)
+        gate_up = F.linear(h.view(-1, shape[-1]), gate_up_weight)
+        inter = gate_up.shape[-1] // 2
+        out = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight).view(shape)
+        return x, out if mlp_conv is None else mlp_conv(out, deltas, 1, ops.block_conv)
+
+
+def _weights_key(params):
+    """What identifies the current values of these parameters: a cache built from them is
+    stale once one is replaced, written in place (its version), cast or moved."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)

@@ -47,6 +47,7 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
         if c.is_dflash2:
             self.candidate_selector = CandidateSelector(c)
         self._stacked = None
+        self._layer_weights = None
         self._rope = None
         self._vocab_head = None
         self.acceptance_profile: Optional[List[float]] = None

@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv"]
+__all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv", "rms_norm",
+           "qk_norm_rope"]
 
 _ops = torch.ops.dflash_ext
 
@@ -175,3 +176,52 @@ def _skinny_linear_fake(x, weight, bias=None):
 def _block_conv_fake(x, base, delta):
     _check_one_device(x=x, base=base, delta=delta)
     return x.new_empty(x.shape)
+
+
+# --------------------------------------------------------------------------- the draft layer's norms (appended block)
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None):
+    """``x * rsqrt(mean(x^2, -1) + eps) * weight`` over the last dim H of ``x [..., H]``
+    (weight ``[H]``), in fp32, cast to x's dtype once.
+
+    With ``residual`` (x's shape): the add + norm of a pre-norm residual stream in one pass,
+    ``s = x + residual`` rounded to the dtype (as a separate add), returns ``(s, rms_norm(s))``.
+    Spec: dflash_ext.reference.rms_norm with ``compute_dtype=torch.float32``.
+    """
+    _inference_only("rms_norm", x, weight, residual)
+    if residual is None:
+        return _ops.rms_norm(x, weight, float(eps))
+    return _ops.add_rms_norm(x, residual, weight, float(eps))
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, eps: float = 1e-6):
+    """q and k of a decoder layer from its stacked projection ``qkv [M, (Hq + 2 Hkv) * D]``
+    (q heads, k heads, v heads; rows may be strided): each head RMS-normed over D (norm weights
+    ``[D]``), then rotated (rotate_half RoPE) at ``cos, sin [M, D]``, the table rows of each
+    token's position. Returns ``(q [M, Hq, D], k [M, Hkv, D])`` in qkv's dtype (fp32 math);
+    v is the view ``qkv[:, (Hq + Hkv) * D:]``. Spec: dflash_ext.reference.qk_norm_rope.
+    """
+    _inference_only("qk_norm_rope", qkv, q_norm_weight, k_norm_weight, cos, sin)
+    return _ops.qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, int(num_q_heads), int(num_kv_heads),
+                             float(eps))
+
+
+@torch.library.register_fake("dflash_ext::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    _check_one_device(x=x, weight=weight)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("dflash_ext::add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps):
+    _check_one_device(x=x, residual=residual, weight=weight)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("dflash_ext::qk_norm_rope")
+def _qk_norm_rope_fake(qkv, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads, eps):
+    _check_one_device(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin)
+    M, D = qkv.shape[0], q_norm_weight.shape[0]
+    return qkv.new_empty((M, num_q_heads, D)), qkv.new_empty((M, num_kv_heads, D))

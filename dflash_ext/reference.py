@@ -16,12 +16,22 @@ import torch.nn.functional as F
 __all__ = ["rms_norm", "rotate_half", "apply_rope", "project_features", "inject_context_kv",
            "block_attention", "skinny_linear", "block_conv", "eager_project_features", "eager_bare_linear",
            "eager_inject_context_kv", "eager_block_attention", "sdpa_supports_gqa", "sdpa_problem",
-           "sdpa_block_attention"]
+           "sdpa_block_attention", "qk_norm_rope"]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2, -1) + eps) * weight`` in the dtype of x."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
+             compute_dtype: Optional[torch.dtype] = None):
+    """``x / sqrt(mean(x^2, -1) + eps) * weight``, computed in `compute_dtype` (None: x's dtype,
+    what the other references use on tensors they cast already) and cast to x's dtype.
+
+    With a `residual` (the spec of ops.rms_norm's add + norm): ``s = x + residual``, rounded to
+    x's dtype as a separate add would, and returns ``(s, rms_norm(s))``."""
+    cd = x.dtype if compute_dtype is None else compute_dtype
+    if residual is not None:
+        s = (x.to(cd) + residual.to(cd)).to(x.dtype)
+        return s, rms_norm(s, weight, eps, compute_dtype=cd)
+    xs = x.to(cd)
+    return (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) * weight.to(cd)).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -201,3 +211,25 @@ def sdpa_block_attention(problem) -> torch.Tensor:
     ``[Bsz, Hq, Bq, D]`` (the fused op's is ``[Bsz, Bq, Hq, D]``: compare after ``.transpose(1, 2)``)."""
     q, k, v, kwargs = problem
     return F.scaled_dot_product_attention(q, k, v, is_causal=False, **kwargs)
+
+
+# --------------------------------------------------------------------------- the draft layer's fused ops
+# (appended: the spec of ops.qk_norm_rope; ops.rms_norm's is rms_norm above)
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, eps: float = 1e-6,
+                 compute_dtype: Optional[torch.dtype] = torch.float32):
+    """The q and k of a decoder layer from its stacked projection ``qkv [M, (Hq + 2 Hkv) * D]``
+    (columns q heads, then k heads, then v heads; D = len(q_norm_weight)): each head RMS-normed
+    over D times its norm weight, then rotated by RoPE at ``cos, sin [M, D]`` (the rows of
+    each token's position; rotate_half convention, as apply_rope). Returns ``(q [M, Hq, D],
+    k [M, Hkv, D])`` in qkv's dtype, one cast at the end; v is the view
+    ``qkv[:, (Hq + Hkv) * D:]`` and needs no op."""
+    M, D = qkv.shape[0], q_norm_weight.shape[0]
+    x = qkv.to(compute_dtype)
+    c, s = cos.to(compute_dtype)[:, None, :], sin.to(compute_dtype)[:, None, :]
+    q = x[:, :num_q_heads * D].unflatten(-1, (num_q_heads, D))
+    k = x[:, num_q_heads * D:(num_q_heads + num_kv_heads) * D].unflatten(-1, (num_kv_heads, D))
+    q = apply_rope(rms_norm(q, q_norm_weight.to(compute_dtype), eps), c, s)
+    k = apply_rope(rms_norm(k, k_norm_weight.to(compute_dtype), eps), c, s)
+    return q.to(qkv.dtype), k.to(qkv.dtype)

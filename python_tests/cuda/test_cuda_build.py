@@ -128,6 +128,14 @@ def test_block_conv_has_a_kernel_per_dtype_for_every_arch(sass, arch):
     assert len(kernels) == 3, f"block_conv kernels for {arch} (fp32, bf16, fp16): {sorted(kernels)}"
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("kernel", ["rms_norm_kernel", "qk_norm_rope_kernel"])
+def test_layer_norms_have_a_kernel_per_dtype_for_every_arch(sass, arch, kernel):
+    _built(arch)
+    kernels = _kernels(sass, ARCHES[arch], rf"{len(arch)}{arch}\d+{kernel}")
+    assert len(kernels) == 3, f"{kernel} for {arch} (fp32, bf16, fp16): {sorted(kernels)}"
+
+
 def test_sm80_file_embeds_ptx_for_newer_gpus():
     _built("sm80")
     tool = _cuobjdump()
@@ -150,7 +158,7 @@ def _ptxas_reports():
 
 def test_ptxas_reports_no_spills_and_no_stack_for_any_kernel():
     reports = _ptxas_reports()
-    assert len(reports) == (len(OPS) + 1) * len(dflash_ext._C._cuda_archs())  # + block_conv
+    assert len(reports) == (len(OPS) + 2) * len(dflash_ext._C._cuda_archs())  # + block_conv, norms
     for source, text in reports.items():
         entries = re.findall(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
                              r"(\d+) bytes spill loads", text)

@@ -37,4 +37,13 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
 void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
                         bool causal, int64_t max_context);
 
+// The draft layer's norms (appended block). RmsNormDims: rows = numel / H of x [..., H];
+// `residual` may be undefined (rms_norm) or must match x (add_rms_norm).
+struct RmsNormDims { int64_t rows, H; };
+struct QkNormRopeDims { int64_t M, Hq, Hkv, D; };
+RmsNormDims check_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+QkNormRopeDims check_qk_norm_rope(const at::Tensor& qkv, const at::Tensor& q_norm_weight,
+                                  const at::Tensor& k_norm_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                  int64_t num_q_heads, int64_t num_kv_heads, double eps);
+
 }  // namespace dflash

@@ -1,0 +1,53 @@
+// Parameter blocks and per-architecture launchers of the draft layer's norms (rms_norm,
+// add_rms_norm, qk_norm_rope): the host side is csrc/cuda/norms_cuda.cpp, the kernels
+// dflash/cuda/norms.cuh compiled by csrc/cuda/norms_<arch>.cu. Kept beside params.h (not in
+// it) so these ops add files rather than edit the shared ones.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "dflash/cuda/params.h"  // DType
+
+namespace dflash::cuda {
+
+// rms_norm / add_rms_norm over `rows` rows of H: sum = x + residual (when residual is set),
+// out = norm(sum or x) * weight. Every tensor contiguous.
+struct RmsNormParams {
+  const void* x;         // [rows, H]
+  const void* residual;  // [rows, H] or nullptr
+  const void* weight;    // [H]
+  void* sum;             // [rows, H], written when residual is set
+  void* out;             // [rows, H]
+  int64_t rows;
+  int H;
+  float eps;
+  DType dtype;
+};
+
+// qk_norm_rope: q [M, Hq, D], k [M, Hkv, D] from qkv rows (stride ld elements, heads contiguous).
+struct QkNormRopeParams {
+  const void* qkv;  // [M, ld], columns (Hq + 2 Hkv) * D used
+  const void* q_norm_weight;  // [D]
+  const void* k_norm_weight;  // [D]
+  const void* cos;  // [M, D] contiguous
+  const void* sin;  // [M, D] contiguous
+  void* q;          // [M, Hq, D]
+  void* k;          // [M, Hkv, D]
+  int64_t M, ld;
+  int Hq, Hkv, D;
+  float eps;
+  DType dtype;
+};
+
+#define DFLASH_DECLARE_NORM_LAUNCHERS(arch)                                  \
+  namespace arch {                                                          \
+  void rms_norm(const RmsNormParams& p, cudaStream_t stream);               \
+  void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream);        \
+  }
+
+DFLASH_DECLARE_NORM_LAUNCHERS(sm80)
+DFLASH_DECLARE_NORM_LAUNCHERS(sm90a)
+DFLASH_DECLARE_NORM_LAUNCHERS(sm100)
+
+}  // namespace dflash::cuda

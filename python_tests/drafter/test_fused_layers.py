@@ -1,0 +1,119 @@
+"""The fused draft layers (DraftStep._fused_layer: stacked q/k/v and gate/up GEMMs,
+ops.rms_norm with the residual add, ops.qk_norm_rope; DFlash2's convolutions on ops.block_conv)
+against their reference,
+DecoderLayer.forward (fused=False): hidden states within the dtype's tolerance on random
+drafters, layouts mixing fused and unfused layers, the stacked weights following the
+parameters, the checkpoint format unchanged, and the same greedy drafts on tiny targets."""
+import pytest
+import torch
+
+from dflash_ext.drafter import DFlashDrafter
+from dflash_ext.proposer import DFlashProposer
+from dflash_ext.target import TargetRunner
+from python_tests.decoding_helpers import tiny_target, tiny_target_config
+
+PROMPT = [5, 17, 33, 2, 9, 41, 77, 12]
+
+
+def _draft_hidden(drafter, fused, bsz=2, ctx_lens=(11, 4), seed=0):
+    """draft_hidden over Bsz blocks after random context features of ctx_lens tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    c, dtype = drafter.config, drafter.fc.weight.dtype
+    cache = drafter.new_cache(bsz, 64)
+    for b in range(bsz):
+        feats = [torch.randn(ctx_lens[b], c.hidden_size, generator=g).to(dtype) for _ in c.target_layer_ids]
+        drafter.add_context(cache, b, feats, torch.arange(ctx_lens[b]), fused=fused)
+    embeds = torch.randn(bsz, c.block_size, c.hidden_size, generator=g).to(dtype)
+    positions = torch.stack([torch.arange(n, n + c.block_size) for n in ctx_lens[:bsz]])
+    return drafter.draft_hidden(cache, embeds, positions, fused=fused).float()
+
+
+def _drafter(kind="qwen3", num_layers=3, dtype=torch.float32, seed=0, **overrides):
+    drafter = DFlashDrafter.from_target(tiny_target_config(kind), num_layers=num_layers, block_size=8, seed=seed,
+                                        **overrides)
+    with torch.no_grad():
+        for p in drafter.parameters():  # norm weights away from 1: a swapped or missing gain shows
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return drafter.to(dtype)
+
+
+def _assert_hidden_close(fused, ref, rel):
+    err = (fused - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), f"max |fused - reference| = {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2), (torch.float16, 1e-2)],
+                         ids=["fp32", "bf16", "fp16"])
+def test_fused_layers_match_the_decoder_layer(kind, dtype, rel):
+    for seed in range(3):
+        drafter = _drafter(kind, dtype=dtype, seed=seed)
+        _assert_hidden_close(_draft_hidden(drafter, True, seed=seed), _draft_hidden(drafter, False, seed=seed), rel)
+
+
+def test_fused_layers_beside_unfused_ones():
+    """A symmetric-window layer (plain torch on both paths) between fused ones: the residual
+    a fused layer leaves pending is added before it."""
+    drafter = _drafter(num_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                       sliding_window=3, causal=False)
+    assert drafter.config.layer_symmetric_window == [False, True, False]
+    _assert_hidden_close(_draft_hidden(drafter, True), _draft_hidden(drafter, False), 2e-5)
+    last_unfused = _drafter(num_layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=3,
+                            causal=False)
+    _assert_hidden_close(_draft_hidden(last_unfused, True), _draft_hidden(last_unfused, False), 2e-5)
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
+def test_fused_dflash2_layers_match_the_decoder_layer(dtype, rel):
+    """DFlash2's convolutions (random, away from their identity) around the fused attention and MLP."""
+    drafter = DFlashDrafter.dflash2_from(_drafter(), conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                                         selector_top_k=4)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(0.2 * torch.randn_like(conv.base_kernel))
+                conv.kernel_projection.weight.normal_(std=0.05)
+    drafter.to(dtype)
+    _assert_hidden_close(_draft_hidden(drafter, True), _draft_hidden(drafter, False), rel)
+
+
+def test_stacked_weights_follow_the_parameters():
+    """Built once, reused while no weight changes; rebuilt after an in-place update (a
+    training step) and after a cast; the checkpoint keeps its own names."""
+    drafter = _drafter(num_layers=2)
+    keys = set(drafter.state_dict())
+    first = drafter._stacked_layer_weights()
+    assert drafter._stacked_layer_weights() is first
+    layer = drafter.layers[1]
+    qkv, gate_up = first[1]
+    assert torch.equal(qkv, torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                       layer.self_attn.v_proj.weight]))
+    assert torch.equal(gate_up, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+    before = _draft_hidden(drafter, True)
+    with torch.no_grad():
+        layer.mlp.up_proj.weight.mul_(1.5)
+    assert drafter._stacked_layer_weights() is not first
+    after = _draft_hidden(drafter, True)
+    assert not torch.allclose(before, after)
+    _assert_hidden_close(after, _draft_hidden(drafter, False), 2e-5)
+    drafter.to(torch.bfloat16)
+    assert drafter._stacked_layer_weights()[0][0].dtype == torch.bfloat16
+    assert set(drafter.state_dict()) == keys
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_fused_and_reference_proposers_draft_the_same_tokens(kind):
+    target = tiny_target(kind)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=3, block_size=8, seed=2)
+    with torch.no_grad():
+        drafter.fc.weight.mul_(4)  # sharper drafts than the init: no argmax ties
+    ids = torch.tensor([PROMPT])
+    _, hidden, _ = TargetRunner(target, drafter.config.target_layer_ids)(ids, None)
+    drafts = []
+    for fused in (True, False):
+        proposer = DFlashProposer(drafter, target, capacity=64, fused=fused)
+        proposer.accept(hidden, slice(0, ids.shape[1] - 1), torch.arange(ids.shape[1] - 1))
+        drafts.append([proposer.propose(PROMPT[-1], ids.shape[1] - 1, n) for n in (3, 7)])
+    for f, r in zip(*drafts):
+        assert torch.equal(f, r)
