@@ -77,7 +77,7 @@ def test_empty_context_at_cache_end(dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", ["default", "many"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("rule", ["bidir", "causal", "symmetric"])
 @pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
     ([3000], 16, 4, 4, 128, 0),
     ([3100], 1, 9, 3, 64, 0),
@@ -85,14 +85,18 @@ def test_empty_context_at_cache_end(dtype, device):
     ([3100, 0, 17], 1, 4, 4, 64, 0),  # short sequences get empty splits
     ([3100, 0, 17], 16, 9, 3, 64, 0),  # causal: splits of the block that its first queries see none of
     ([2000, 5000], 16, 9, 3, 128, 0),
+    ([3100, 0, 17], 16, 9, 3, 64, 700),
+    ([2000, 5000], 16, 9, 3, 128, 3000),
+    ([3000, 40], 16, 4, 4, 128, 6),  # causal, symmetric: splits that most queries see none of
 ])
-def test_long_context_splits(lens, Bq, Hq, Hkv, D, window, causal, threads, dtype, device, request):
+def test_long_context_splits(lens, Bq, Hq, Hkv, D, window, rule, threads, dtype, device, request):
     """Long contexts (> kMinSplitKeys keys per split) take the split-KV path; with 16
     threads the CPU kernel splits even with many KV heads on a 2-core machine."""
     if threads == "many":
         request.getfixturevalue("many_threads")
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=causal, dtype=dtype,
-                                          device=device, seed=sum(lens) + Bq, q_std=1.0))
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=rule == "causal",
+                                          symmetric=rule == "symmetric", dtype=dtype, device=device,
+                                          seed=sum(lens) + Bq, q_std=1.0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -340,18 +344,24 @@ def test_causal_differs_where_it_should():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
 @pytest.mark.parametrize("dtype", CUDA_HALF)
+@pytest.mark.parametrize("rule", ["causal", "symmetric"])
 @pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
     pytest.param([32768, 1000], 16, 32, 8, 128, 4096, id="qwen3-window"),
     pytest.param([32768, 5, 20000, 0], 16, 32, 8, 128, 0, id="qwen3-ragged-b4"),
+    pytest.param([32768, 5, 20000, 0], 16, 32, 8, 128, 2048, id="qwen3-ragged-b4-dflash2-window"),
     pytest.param([40000], 3, 12, 4, 64, 0, id="odd-rows-many-splits"),
+    pytest.param([40000], 3, 12, 4, 64, 30000, id="odd-rows-many-splits-window"),
     pytest.param([5000, 3, 0], 16, 32, 4, 128, 8, id="two-row-tiles-window-under-bq"),
     pytest.param([9000], 16, 16, 2, 64, 1, id="window-1"),
+    pytest.param([16384] * 8, 8, 32, 8, 128, 0, id="qwen3-16k-b8"),
 ])
-def test_cuda_causal_long_contexts_many_splits(lens, Bq, Hq, Hkv, D, window, dtype):
-    """Causal on the tensor-core split-KV path: splits some rows see none of, row tiles of
-    several queries (group 8: 2 tiles of 64 rows), windows under Bq."""
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=True, dtype=dtype,
-                                          device="cuda", seed=len(lens) + Bq, q_std=1.0))
+def test_cuda_per_query_long_contexts_many_splits(lens, Bq, Hq, Hkv, D, window, rule, dtype):
+    """Causal and symmetric on the tensor-core split-KV path and the combine launch: splits
+    some rows see none of, row tiles of several queries (group 8: 2 tiles of 64 rows),
+    windows under Bq (symmetric window 0: the unmasked kernel)."""
+    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, causal=rule == "causal",
+                                          symmetric=rule == "symmetric", dtype=dtype, device="cuda",
+                                          seed=len(lens) + Bq, q_std=1.0))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
@@ -372,11 +382,12 @@ def test_cuda_causal_rows_that_see_none_of_a_split(ctas_per_sm, dtype):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rule", ["causal", "symmetric"])
 @pytest.mark.parametrize("D", [32, 96, 256])
 @pytest.mark.parametrize("window", [0, 3, 300])
-def test_cuda_causal_other_head_dims_take_the_simple_path(D, window, dtype):
-    check_attention(make_attention_inputs([700, 3, 0], 6, 8, 2, D, window=window, causal=True, dtype=dtype,
-                                          device="cuda", seed=D))
+def test_cuda_per_query_other_head_dims_take_the_simple_path(D, window, rule, dtype):
+    check_attention(make_attention_inputs([700, 3, 0], 6, 8, 2, D, window=window, causal=rule == "causal",
+                                          symmetric=rule == "symmetric", dtype=dtype, device="cuda", seed=D))
 
 
 # --------------------------------------------------------------------------- symmetric window
@@ -409,22 +420,6 @@ def test_symmetric_long_contexts_and_many_queries(lens, Bq, Hq, Hkv, D, window, 
     """Both CPU paths (flash and the tiled kernel) and every ISA level this CPU takes."""
     check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, symmetric=True, dtype=dtype,
                                           seed=sum(lens) + Bq + 3))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("threads", ["default", "many"])
-@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
-    ([3000], 16, 32, 8, 64, 2500),
-    ([3100, 0, 17], 16, 9, 3, 64, 700),
-    ([2000, 5000], 16, 9, 3, 128, 3000),
-    ([3000, 40], 16, 4, 4, 128, 6),  # splits that every query but the last few see none of
-])
-def test_symmetric_long_context_splits(lens, Bq, Hq, Hkv, D, window, threads, dtype, device, request):
-    if threads == "many":
-        request.getfixturevalue("many_threads")
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, symmetric=True, dtype=dtype,
-                                          device=device, seed=sum(lens) + Bq, q_std=1.0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -500,29 +495,3 @@ def test_causal_and_symmetric_exclude_each_other():
         dflash_ext.block_attention(*inp.args(), causal=True, symmetric=True)
     with pytest.raises(ValueError, match="causal and symmetric exclude each other"):
         reference.block_attention(*inp.args(), causal=True, symmetric=True)
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
-@pytest.mark.parametrize("dtype", CUDA_HALF)
-@pytest.mark.parametrize("lens,Bq,Hq,Hkv,D,window", [
-    pytest.param([32768, 1000], 16, 32, 8, 128, 4096, id="qwen3-window"),
-    pytest.param([32768, 5, 20000, 0], 16, 32, 8, 128, 2048, id="qwen3-ragged-b4-dflash2"),
-    pytest.param([40000], 3, 12, 4, 64, 30000, id="odd-rows-many-splits"),
-    pytest.param([5000, 3, 0], 16, 32, 4, 128, 8, id="two-row-tiles-window-under-bq"),
-    pytest.param([9000], 16, 16, 2, 64, 1, id="window-1"),
-    pytest.param([16384] * 8, 8, 32, 8, 128, 0, id="qwen3-16k-b8-no-window"),
-])
-def test_cuda_symmetric_long_contexts_many_splits(lens, Bq, Hq, Hkv, D, window, dtype):
-    """Symmetric on the tensor-core split-KV path (and the combine launch): splits that some
-    rows see none of, two row tiles, windows under Bq, and window 0."""
-    check_attention(make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, symmetric=True, dtype=dtype,
-                                          device="cuda", seed=len(lens) + Bq, q_std=1.0))
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [32, 96, 256])
-@pytest.mark.parametrize("window", [0, 3, 300])
-def test_cuda_symmetric_other_head_dims_take_the_simple_path(D, window, dtype):
-    check_attention(make_attention_inputs([700, 3, 0], 6, 8, 2, D, window=window, symmetric=True, dtype=dtype,
-                                          device="cuda", seed=D))
