@@ -76,7 +76,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 // at once: out = sum_s w_s O_s with w_s = exp(lse_s - max) / sum_s' exp(lse_s' - max)
 // (partials are normalized by their own l). Each warp first turns one row's LSEs into its
 // weights in shared memory (a lane per split); then each thread owns 4 columns of a row and
-// sums the splits with 16-byte loads, several in flight (the loop is unrolled). A split a
+// sums the splits with 16-byte loads, issued in batches ahead of their uses. A split a
 // row saw no key of has lse = -inf, weight 0, and its partial output (NaN, or never
 // written for an empty split) is dropped by a select, never multiplied. Reads 4 bytes per
 // split and output element and writes 2: at Qwen3-8B heads with 33 splits (16k context on
@@ -84,7 +84,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 // H100/H200's 50 MB L2 can still hold when the combine reads them). Every row has a
 // finite LSE somewhere: a query sees at least itself, in the split holding the block keys.
 inline constexpr int kCombineThreads = 128;
-inline constexpr int kCombineBatch = 8;  // 16-byte loads in flight per thread
+inline constexpr int kCombineBatch = 8;  // splits loaded per batch
 template <int D>
 constexpr int combine_rows_per_cta() { return kCombineThreads / (D / 4); }
 
@@ -125,8 +125,9 @@ block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
   const float4* src = reinterpret_cast<const float4*>(p.partial_out + row * D + d);
   const int64_t stride = rows * D / 4;  // float4s between splits
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  // Batches of kCombineBatch splits: every load of a batch is issued before the first use
-  // (a plain unrolled loop, or predicated loads, interleave them with the math). A batch
+  // Batches of kCombineBatch splits, loaded into registers before the math: ptxas keeps
+  // four 16-byte loads ahead of their uses (test_cuda_build checks at least four), where
+  // predicated loads in an unrolled loop went out two at a time. A batch
   // past the last split loads the last split again (no predicate) and weighs it 0; weight[]
   // has kAttnMaxSplits rows, a multiple of the batch, so a batch never indexes past it.
   static_assert(kAttnMaxSplits % kCombineBatch == 0, "whole batches");
