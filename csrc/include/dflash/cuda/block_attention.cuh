@@ -120,14 +120,17 @@ block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
   }
   __syncthreads();
   const int r = threadIdx.x / (D / 4), d = (threadIdx.x % (D / 4)) * 4;
-  const int64_t row = row0 + r;
-  if (row >= rows) return;
-  const float4* src = reinterpret_cast<const float4*>(p.partial_out + row * D + d);
+  // A thread past the last row (D = 64: half a warp) stays to the end for the __syncwarp
+  // below, reading the last row and storing nothing.
+  const int64_t row = row0 + r, read_row = min(row, rows - 1);
+  const float4* src = reinterpret_cast<const float4*>(p.partial_out + read_row * D + d);
   const int64_t stride = rows * D / 4;  // float4s between splits
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  // Batches of kCombineBatch splits, loaded into registers before the math: ptxas keeps
-  // four 16-byte loads ahead of their uses (test_cuda_build checks at least four), where
-  // predicated loads in an unrolled loop went out two at a time. A batch
+  // Batches of kCombineBatch splits, loaded into registers before the math: the
+  // __syncwarp after the loads is a memory-ordering point that ptxas does not move them
+  // past, so the whole batch is in flight at once (test_cuda_build checks the SASS);
+  // without it ptxas interleaved loads and math, 2 to 4 loads ahead depending on the
+  // architecture. A batch
   // past the last split loads the last split again (no predicate) and weighs it 0; weight[]
   // has kAttnMaxSplits rows, a multiple of the batch, so a batch never indexes past it.
   static_assert(kAttnMaxSplits % kCombineBatch == 0, "whole batches");
@@ -135,6 +138,7 @@ block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
     float4 v[kCombineBatch];
 #pragma unroll
     for (int j = 0; j < kCombineBatch; ++j) v[j] = __ldcs(src + min(s0 + j, p.splits - 1) * stride);  // read once
+    __syncwarp();  // the batch's loads stay above this point
 #pragma unroll
     for (int j = 0; j < kCombineBatch; ++j) {
       const float w = weight[s0 + j][r];
@@ -153,6 +157,7 @@ block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
     e[1] = from_float<T>(b);
     return u;
   };
+  if (row >= rows) return;
   // one 8-byte store of the four outputs (row * D + d is a multiple of 4 elements)
   *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + d) = make_uint2(pair(acc.x, acc.y), pair(acc.z, acc.w));
 }
