@@ -107,7 +107,7 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& v_block, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                          const at::Tensor& cache_lens, double scale, int64_t window,
-                                         int64_t max_context) {
+                                         int64_t max_context, bool causal, bool symmetric) {
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be a 4-D tensor [Bsz, Bq, Hq, D], got shape ",
               q.defined() ? q.sizes() : at::IntArrayRef{});
   TORCH_CHECK(is_supported_float(q.scalar_type()),
@@ -132,6 +132,8 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
   TORCH_CHECK(max_context >= -1, "max_context must be >= 0, or -1 (no bound), got ", max_context);
+  TORCH_CHECK(!(causal && symmetric), "causal and symmetric exclude each other (causal: keys up to the query; "
+              "symmetric: a window on both sides of it); got both True");
   return {Bsz, Bq, Hq, Hkv, D, S};
 }
 
@@ -191,7 +193,7 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
 }
 
 void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
-                        bool causal, int64_t max_context) {
+                        bool causal, bool symmetric, int64_t max_context) {
   const auto off = offsets_cpu.contiguous();
   const auto len = lens_cpu.contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
@@ -202,9 +204,10 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
     // l <= S - o, never o + l <= S: the sum of two int64 values can overflow (UB, wraps negative).
     TORCH_CHECK(o[b] <= S && l[b] <= S - o[b], "context of sequence ", b, " (cache_offsets[", b, "] = ", o[b],
                 ", cache_lens[", b, "] = ", l[b], ") runs past the end of the cache (S=", S, " rows)");
-    const int64_t visible = visible_context(l[b], window, causal);
+    const int64_t visible = visible_context(l[b], window, causal || symmetric);
     TORCH_CHECK(max_context < 0 || visible <= max_context, "sequence ", b, " sees ", visible,
-                " context rows (cache_lens[", b, "] = ", l[b], ", window ", window, causal ? ", causal" : "",
+                " context rows (cache_lens[", b, "] = ", l[b], ", window ", window,
+                causal ? ", causal" : symmetric ? ", symmetric" : "",
                 ") but max_context is ", max_context);
   }
 }

@@ -16,7 +16,7 @@ TORCH_LIBRARY(dflash_ext, m) {
   m.def(
       "block_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, Tensor v_cache, "
       "Tensor cache_offsets, Tensor cache_lens, float scale, int window=0, int max_context=-1, "
-      "bool validate=True, bool causal=False) -> Tensor");
+      "bool validate=True, bool causal=False, bool symmetric=False) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("block_conv(Tensor x, Tensor base, Tensor delta) -> Tensor");
 }

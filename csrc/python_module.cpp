@@ -82,7 +82,7 @@ PyObject* py_cuda_plan(PyObject*, PyObject* args) {
   namespace dc = dflash::cuda;
   const std::string name(rule);
   if (name == "split") return plan_tuple(dc::split_plan(a, b, c, d, e));
-  if (name == "attention") return plan_tuple(dc::attention_split_plan(a, b, static_cast<int>(c), d));
+  if (name == "attention") return plan_tuple(dc::attention_split_plan(a, b, static_cast<int>(c), d, e));
   if (name == "gemm") return plan_tuple(dc::gemm_split_plan(a, b, c));
   if (name == "planned_context") return PyLong_FromLongLong(dc::planned_context(a, b, c));
   if (name == "gemv") {  // (T, rows, K, rows_per_group, wave)
@@ -129,7 +129,7 @@ PyObject* py_cuda_archs(PyObject*, PyObject*) {
 PyMethodDef module_methods[] = {
     {"_cuda_plan", py_cuda_plan, METH_VARARGS,
      "(rule, ints...) -> a CUDA launch-plan rule evaluated on the host: split(ctas, units, min_units, max_splits, "
-     "wave), attention(ctas, max_keys, key_tile, wave), gemm(ctas, k_tiles, wave) -> (splits, units per split); "
+     "wave), attention(ctas, max_keys, key_tile, num_sms, ctas_per_sm), gemm(ctas, k_tiles, wave) -> (splits, units per split); "
      "planned_context(max_context, window, S); gemv(T, rows, K, rows_per_group, wave) -> (ctas, row_blocks, k_steps, "
      "groups, partial floats, counters); stream_cta(step, steps, ctas); project_path / inject_path(tensor-core "
      "inputs, T) -> 0 library, 1 GEMV, 2 tensor cores, 3 SIMT; kernel_arch(major, minor[, compiled bits: 1 sm80, 2 sm90a, 4 sm100; "

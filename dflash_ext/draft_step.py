@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from . import ops, reference
 from .draft_cache import DraftCache
-from .drafter_masks import windowed_bidirectional_attention
 
 
 class DraftStep:
@@ -111,15 +110,10 @@ class DraftStep:
         token_rope = cos.flatten(0, 1), sin.flatten(0, 1)  # [Bsz * B, D]: the fused layers' rows
         x, pending = block_embeds, None  # pending: a fused layer's MLP output, added by the next norm
         for i, layer in enumerate(self.layers):
-            if symmetric[i]:  # not fused yet (the op has no symmetric window): plain torch, both paths
-                def attend(q, k, v, i=i):
-                    return windowed_bidirectional_attention(q, k, v, cache.k[i], cache.v[i], cache.capacity, lens,
-                                                            scale, cache.windows[i])
-            else:
-                def attend(q, k, v, i=i):
-                    return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale, window=cache.windows[i],
-                                     causal=cache.causal[i], **fused_args)
-            if fused and not symmetric[i]:
+            def attend(q, k, v, i=i):  # symmetric: |p - k| < W per query (DFlash2's sliding layers)
+                return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale, window=cache.windows[i],
+                                 causal=cache.causal[i], symmetric=symmetric[i], **fused_args)
+            if fused:
                 x, pending = self._fused_layer(layer, *weights[i], x, pending, *token_rope, attend)
                 continue
             if pending is not None:

@@ -68,7 +68,7 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
 def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_offsets: torch.Tensor,
                     cache_lens: torch.Tensor, scale: float, window: int = 0, max_context: int = -1,
-                    validate: bool = True, causal: bool = False) -> torch.Tensor:
+                    validate: bool = True, causal: bool = False, symmetric: bool = False) -> torch.Tensor:
     """Attention of each sequence's Bq block queries over its cached context rows
     ``cache_offsets[b] .. cache_offsets[b] + cache_lens[b] - 1`` followed by its own Bq block
     rows. GQA: query head h uses KV head ``h // (Hq // Hkv)``. Returns ``[Bsz, Bq, Hq, D]``.
@@ -80,23 +80,28 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
     the key at position k iff ``k <= p`` and (``window == 0`` or ``p - k < window``), the
     causal sliding window over the context followed by the block. A query may then see no
     context row (and, with ``window < Bq``, not every earlier block key), never no key: it
-    always sees itself.
+    always sees itself. ``symmetric=True`` (a bidirectional window, the sliding layers of
+    DFlash2's published configs): the query at position p sees the key at position k iff
+    ``window == 0`` or ``|p - k| < window``, i.e. the context rows within the window behind
+    it and the block keys within the window on both sides (``window == 0``: the same as
+    neither flag). Causal and symmetric exclude each other.
 
     ``max_context`` (>= 0) promises that no sequence sees more context rows than that,
-    counting the rows its queries see together: the last ``min(n, window)``, or causal the
-    first query's, the last ``min(n, window - 1)`` (all n when ``window == 0``). Causal never
-    counts more than non-causal, so a bound planned for non-causal attention holds. On CUDA
+    counting the rows its queries see together: the last ``min(n, window)``, or causal and
+    symmetric the first query's, the last ``min(n, window - 1)`` (all n when ``window == 0``).
+    Neither counts more than non-causal, so a bound planned for non-causal attention holds. On CUDA
     the split-KV plan is sized from it instead of from the lens, so a captured graph stays
     valid as contexts grow (-1: no bound). ``validate=True`` checks the ranges (offsets
     >= 0, lens >= 0, offset + len <= S, those visible rows <= max_context) and raises; on
     CUDA that reads them on the host (a sync). ``validate=False`` reads nothing there: a
     range is then clamped to the cache (offset to [0, S], len to [0, S - offset]) and a
-    sequence sees at most ``max_context`` (else S) of its last rows (causal: the rule above
-    within them). The CPU always validates.
+    sequence sees at most ``max_context`` (else S) of its last rows (causal, symmetric: the
+    rule above within them). The CPU always validates.
     """
     _inference_only("block_attention", q, k_block, v_block, k_cache, v_cache)
     return _ops.block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens,
-                                float(scale), int(window), int(max_context), bool(validate), bool(causal))
+                                float(scale), int(window), int(max_context), bool(validate), bool(causal),
+                                bool(symmetric))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -159,9 +164,10 @@ def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, po
 
 @torch.library.register_fake("dflash_ext::block_attention")
 def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
-                          window=0, max_context=-1, validate=True, causal=False):
+                          window=0, max_context=-1, validate=True, causal=False, symmetric=False):
     _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
                       cache_offsets=cache_offsets, cache_lens=cache_lens)
+    torch._check(not (causal and symmetric), lambda: "causal and symmetric exclude each other; got both True")
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -78,10 +78,12 @@ def inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, position
 
 def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale: float,
                     window: int = 0, causal: bool = False,
-                    compute_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+                    compute_dtype: Optional[torch.dtype] = torch.float32, symmetric: bool = False) -> torch.Tensor:
     """The rule of ops.block_attention as an explicit boolean mask over positions: context
     row r at r, block key j at n + j, block query i at n + i (n = cache_lens[b]). Keys that
     no query sees are dropped before any math, as the op never reads them."""
+    if causal and symmetric:
+        raise ValueError("causal and symmetric exclude each other")
     Bsz, Bq, Hq, D = q.shape
     group = Hq // k_block.shape[2]
     out = torch.empty_like(q)
@@ -93,6 +95,8 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_
             visible = key_pos <= query_pos
             if window > 0:
                 visible &= query_pos - key_pos < window
+        elif symmetric:  # |p - k| < window on both sides (0: every key)
+            visible = ((query_pos - key_pos).abs() < window) if window > 0 else torch.ones(Bq, n + Bq, dtype=torch.bool)
         else:  # the last `window` context rows (all when 0) and every block key
             visible = (key_pos >= n - window if window > 0 else key_pos >= 0).expand(Bq, -1)
         seen = visible.any(0).to(q.device)  # [n + Bq]: keys some query sees

@@ -137,6 +137,7 @@ class AttentionInputs:
     scale: float
     window: int = 0
     causal: bool = False  # not in args() (the op's max_context and validate come first): pass causal=inp.causal
+    symmetric: bool = False  # likewise: pass symmetric=inp.symmetric
 
     def args(self):
         return (self.q, self.k_block, self.v_block, self.k_cache, self.v_cache, self.cache_offsets,
@@ -148,11 +149,11 @@ class AttentionInputs:
 
 def make_attention_inputs(lens: Sequence[int], Bq: int, Hq: int, Hkv: int, D: int, *, window: int = 0,
                           causal: bool = False, dtype=torch.float32, device="cpu", seed: int = 0, gap: int = 3,
-                          poison: bool = True, q_std: float = 1.5) -> AttentionInputs:
+                          poison: bool = True, q_std: float = 1.5, symmetric: bool = False) -> AttentionInputs:
     """Sequences laid out one after another in the cache with `gap` rows between them.
     With poison=True every cache row outside the rows the op may read (each sequence's
-    context rows some query sees: the last `window`, causal the last `window - 1`) is NaN,
-    so any out-of-range read shows up as NaN."""
+    context rows some query sees: the last `window`, causal and symmetric the last
+    `window - 1`) is NaN, so any out-of-range read shows up as NaN."""
     g = make_gen(seed)
     Bsz = len(lens)
     offsets, pos = [], gap
@@ -168,7 +169,7 @@ def make_attention_inputs(lens: Sequence[int], Bq: int, Hq: int, Hkv: int, D: in
     if poison:
         readable = torch.zeros(S, dtype=torch.bool)
         for off, n in zip(offsets, lens):
-            seen = window - 1 if causal else window  # context rows the first query sees
+            seen = window - 1 if causal or symmetric else window  # context rows the first query sees
             start = off + max(0, n - seen) if window > 0 else off
             readable[start:off + n] = True
         k_cache[~readable.to(device)] = float("nan")
@@ -176,7 +177,7 @@ def make_attention_inputs(lens: Sequence[int], Bq: int, Hq: int, Hkv: int, D: in
     return AttentionInputs(q, k_block, v_block, k_cache, v_cache,
                            torch.tensor(offsets, dtype=torch.long, device=device),
                            torch.tensor(list(lens), dtype=torch.long, device=device),
-                           D ** -0.5, window, causal)
+                           D ** -0.5, window, causal, symmetric)
 
 
 # skinny_linear -----------------------------------------------------------------------

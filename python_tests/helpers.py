@@ -133,4 +133,5 @@ def check_inject(inp: InjectInputs, op: Callable = dflash_ext.inject_context_kv)
 
 
 def check_attention(inp: AttentionInputs, op: Callable = dflash_ext.block_attention) -> torch.Tensor:
-    return check_op(op, reference.block_attention, *inp.args(), causal=inp.causal)
+    rule = dict(causal=inp.causal, symmetric=True) if inp.symmetric else dict(causal=inp.causal)
+    return check_op(op, reference.block_attention, *inp.args(), **rule)

@@ -1,6 +1,6 @@
 // CPU block_attention: attention of a block of Bq queries per sequence over that
-// sequence's cached context rows followed by its own Bq block rows, non-causal or causal
-// (the rules in dflash/window.h).
+// sequence's cached context rows followed by its own Bq block rows, non-causal, causal or
+// with a symmetric window (the rules in dflash/window.h).
 //
 // GQA packing: the Bq x group query rows that share one KV head form one M-tile, so
 // every K/V row is read once per KV head. Work items are (sequence, KV head, split):
@@ -65,15 +65,16 @@ template <typename T>
 void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
                           const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const int64_t* offsets, const int64_t* lens, float scale, int64_t window,
-                          bool causal, at::Tensor& out, const BlockAttentionDims& d) {
+                          bool causal, bool symmetric, at::Tensor& out, const BlockAttentionDims& d) {
   const int64_t Bq = d.Bq, D = d.D, Hkv = d.Hkv, group = d.Hq / d.Hkv, M = Bq * group;
   const int64_t ld = Hkv * D;  // row stride of every K/V source
+  const bool per_query = causal || (symmetric && window > 0);  // each query row has its own key span
 
   // Context rows [ctx_begin[b], ctx_begin[b] + ctx_len[b]) of the cache, after the window.
   std::vector<int64_t> ctx_begin(d.Bsz), ctx_len(d.Bsz);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    ctx_len[b] = visible_context(lens[b], window, causal);
+    ctx_len[b] = visible_context(lens[b], window, per_query);
     ctx_begin[b] = offsets[b] + lens[b] - ctx_len[b];
     max_keys = std::max(max_keys, ctx_len[b] + Bq);
   }
@@ -116,8 +117,8 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
 
       // The virtual key sequence is [context rows ; block rows]; walk its slice [key0, key1).
       // Key t of it is at position t and query i at ctx_len[b] + i (window.h, shifted to
-      // the first visible row). The M-tile's queries together see every key, so causal
-      // masks scores per row (online_softmax_row's range) and skips no tile.
+      // the first visible row). The M-tile's queries together see every key, so causal and
+      // symmetric mask scores per row (online_softmax_row's range) and skip no tile.
       const KeyRun<T> runs[2] = {
           {k_cache.data_ptr<T>() + ctx_begin[b] * ld + h * D,
            v_cache.data_ptr<T>() + ctx_begin[b] * ld + h * D, ctx_len[b], ld},
@@ -134,10 +135,10 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
           gemm_nt(M, n, D, qf.data(), D, kt.ptr, kt.ld, 0.f, s.data(), kKeyTile);
           for (int64_t r = 0; r < M; ++r) {
             int64_t seen_lo = 0, seen_hi = n;
-            if (causal) {
-              const int64_t p = ctx_len[b] + r / group;
-              seen_lo = std::clamp<int64_t>(causal_first_key(p, window) - t0, 0, n);
-              seen_hi = std::clamp<int64_t>(p + 1 - t0, 0, n);
+            if (per_query) {
+              const KeySpan span = seen_keys(ctx_len[b] + r / group, keys, window, causal, symmetric);
+              seen_lo = std::clamp<int64_t>(span.first - t0, 0, n);
+              seen_hi = std::clamp<int64_t>(span.last + 1 - t0, 0, n);
             }
             const float alpha = online_softmax_row(s.data() + r * kKeyTile, seen_lo, seen_hi, n, m[r], l[r]);
             if (alpha != 1.f) scale_row(o.data() + r * D, alpha, D);
@@ -189,14 +190,18 @@ void block_attention_impl(const at::Tensor& q, const at::Tensor& k_block, const 
   });
 }
 
-// Causal: the additive mask [Bq x group query rows, keys] of the queries at positions
-// q0 + i over the keys at positions k0 + j (0 where seen, -inf where not).
-at::Tensor causal_mask(int64_t Bq, int64_t group, int64_t q0, int64_t k0, int64_t keys, int64_t window) {
+// Causal or symmetric: the additive mask [Bq x group query rows, keys] of the queries at
+// positions q0 + i over the keys at positions k0 + j of a sequence of `total` keys (0 where
+// seen, -inf where not).
+at::Tensor per_query_mask(int64_t Bq, int64_t group, int64_t q0, int64_t k0, int64_t keys, int64_t total,
+                          int64_t window, bool causal, bool symmetric) {
   at::Tensor mask = at::empty({Bq * group, keys}, at::kFloat);
   float* m = mask.data_ptr<float>();
   for (int64_t i = 0; i < Bq; ++i)
     for (int64_t j = 0; j < keys; ++j)
-      m[i * group * keys + j] = sees_key(q0 + i, k0 + j, window, true) ? 0.f : -std::numeric_limits<float>::infinity();
+      m[i * group * keys + j] = sees_key(q0 + i, k0 + j, total, window, causal, symmetric)
+                                    ? 0.f
+                                    : -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < Bq; ++i)  // the group's rows of query i repeat its row
     for (int64_t r = 1; r < group; ++r) std::copy_n(m + i * group * keys, keys, m + (i * group + r) * keys);
   return mask;
@@ -206,29 +211,32 @@ at::Tensor causal_mask(int64_t Bq, int64_t group, int64_t q0, int64_t k0, int64_
 // where the CPU has them) once over the context rows and once over the block rows, both
 // strided views of the caches (no concatenation), merged by their log-sum-exp. The Bq x
 // group queries of one KV head are its query rows, so the kernel sees Hkv heads (GQA).
-// Causal, both calls take an additive mask (window.h's rule); a query that sees no context
-// row (window <= its block index) takes the block call alone.
+// Causal or symmetric, both calls take an additive mask (window.h's rule); a query that
+// sees no context row (window <= its block index) takes the block call alone.
 void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
                            const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const int64_t* offsets, const int64_t* lens, double scale, int64_t window,
-                           bool causal, at::Tensor& out, const BlockAttentionDims& d) {
+                           bool causal, bool symmetric, at::Tensor& out, const BlockAttentionDims& d) {
   const int64_t Bq = d.Bq, D = d.D, Hkv = d.Hkv, group = d.Hq / d.Hkv, M = Bq * group;
+  const bool per_query = causal || (symmetric && window > 0);
   const auto heads_first = [&](const at::Tensor& rows) { return rows.permute({1, 0, 2}).unsqueeze(0); };
   // Positions counted from the first visible context row: query i at n + i, block key j at n + j.
   using Mask = std::optional<at::Tensor>;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    const int64_t n = visible_context(lens[b], window, causal);
+    const int64_t n = visible_context(lens[b], window, per_query);
     const at::Tensor qh = q[b].view({Bq, Hkv, group, D}).permute({1, 0, 2, 3}).reshape({1, Hkv, M, D});
     auto block = at::_scaled_dot_product_flash_attention_for_cpu(
         qh, heads_first(k_block[b]), heads_first(v_block[b]), 0.0, false,
-        causal ? Mask(causal_mask(Bq, group, n, n, Bq, window)) : Mask(), scale);
+        per_query ? Mask(per_query_mask(Bq, group, n, n, Bq, n + Bq, window, causal, symmetric)) : Mask(), scale);
     at::Tensor o = std::get<0>(block);  // [1, Hkv, M, D]
     if (n > 0) {
       const int64_t start = offsets[b] + lens[b] - n;
       // window 0: every query sees the whole context, no mask
       auto ctx = at::_scaled_dot_product_flash_attention_for_cpu(
           qh, heads_first(k_cache.narrow(0, start, n)), heads_first(v_cache.narrow(0, start, n)), 0.0, false,
-          causal && window > 0 ? Mask(causal_mask(Bq, group, n, 0, n, window)) : Mask(), scale);
+          per_query && window > 0 ? Mask(per_query_mask(Bq, group, n, 0, n, n + Bq, window, causal, symmetric))
+                                  : Mask(),
+          scale);
       // softmax over both key sets = each part's softmax weighted by exp(lse_part - lse_all)
       const at::Tensor o_c = std::get<0>(ctx).contiguous(), o_b = o.contiguous();
       const at::Tensor lse_b = std::get<1>(block).to(at::kFloat).contiguous();
@@ -241,9 +249,9 @@ void flash_block_attention(const at::Tensor& q, const at::Tensor& k_block, const
         std::vector<float> row(D);
         for (int64_t r = 0; r < Hkv * M; ++r) {
           to_float(pb + r * D, dst + r * D, D);
-          // Causal, a query may see no context row: ATen's output for a row with every key
+          // Per query, a query may see no context row: ATen's output for a row with every key
           // masked (0, lse 0 rather than -inf) must not be merged, so tell such rows by position.
-          if (causal && causal_first_key(n + (r % M) / group, window) >= n) continue;
+          if (per_query && causal_first_key(n + (r % M) / group, window) >= n) continue;
           const float mx = std::max(lb[r], lc[r]);
           const float wb = std::exp(lb[r] - mx), wc = std::exp(lc[r] - mx), inv = 1.f / (wb + wc);
           to_float(pc + r * D, row.data(), D);
@@ -261,28 +269,28 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k_block,
                                const at::Tensor& v_block, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                const at::Tensor& cache_lens, double scale, int64_t window,
-                               int64_t max_context, bool /*validate*/, bool causal) {
-  const BlockAttentionDims d = check_block_attention(q, k_block, v_block, k_cache, v_cache,
-                                                     cache_offsets, cache_lens, scale, window, max_context);
+                               int64_t max_context, bool /*validate*/, bool causal, bool symmetric) {
+  const BlockAttentionDims d = check_block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets,
+                                                     cache_lens, scale, window, max_context, causal, symmetric);
   // Always validated on the CPU: the values are in host memory, reading them costs nothing.
-  check_cache_ranges(cache_offsets, cache_lens, d.S, window, causal, max_context);
+  check_cache_ranges(cache_offsets, cache_lens, d.S, window, causal, symmetric, max_context);
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (out.numel() == 0) return out;
   const at::Tensor off = cache_offsets.contiguous(), len = cache_lens.contiguous();
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.Bsz; ++b) {
-    max_keys = std::max(max_keys, visible_context(len.data_ptr<int64_t>()[b], window, causal) + d.Bq);
+    max_keys = std::max(max_keys, visible_context(len.data_ptr<int64_t>()[b], window, causal || symmetric) + d.Bq);
   }
   if (attention_path(q.scalar_type(), max_keys, d.Bq * (d.Hq / d.Hkv)) == AttentionPath::flash) {
     flash_block_attention(qc, k_block, v_block, k_cache, v_cache, off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
-                          scale, window, causal, out, d);
+                          scale, window, causal, symmetric, out, d);
     return out;
   }
   DFLASH_DISPATCH_FLOATING(q.scalar_type(), "block_attention", [&] {
     block_attention_impl<scalar_t>(qc, k_block.contiguous(), v_block.contiguous(), k_cache, v_cache,
                                    off.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
-                                   static_cast<float>(scale), window, causal, out, d);
+                                   static_cast<float>(scale), window, causal, symmetric, out, d);
   });
   return out;
 }

@@ -207,21 +207,22 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
                                 const at::Tensor& v_block, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                 const at::Tensor& cache_lens, double scale, int64_t window,
-                                int64_t max_context, bool validate, bool causal) {
+                                int64_t max_context, bool validate, bool causal, bool symmetric) {
   const auto d = check_block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets,
-                                       cache_lens, scale, window, max_context);
+                                       cache_lens, scale, window, max_context, causal, symmetric);
   // The split plan covers max_context visible rows: given, it is a static bound (a graph
   // replayed over a growing context stays correct); else, validating, the longest visible
   // context read on the host; else the whole cache. (planned_context counts non-causal
-  // rows, a bound for causal too: causal sees one row fewer.)
+  // rows, a bound for causal and symmetric too: they see one row fewer.)
   int64_t planned = planned_context(max_context, window, d.S);
   if (validate) {
     const auto offsets_cpu = cache_offsets.cpu().contiguous(), lens_cpu = cache_lens.cpu().contiguous();
-    check_cache_ranges(offsets_cpu, lens_cpu, d.S, window, causal, max_context);
+    check_cache_ranges(offsets_cpu, lens_cpu, d.S, window, causal, symmetric, max_context);
     if (max_context < 0) {
       planned = 0;
       const int64_t* lens = lens_cpu.data_ptr<int64_t>();
-      for (int64_t b = 0; b < d.Bsz; ++b) planned = std::max(planned, visible_context(lens[b], window, causal));
+      for (int64_t b = 0; b < d.Bsz; ++b)
+        planned = std::max(planned, visible_context(lens[b], window, causal || symmetric));
     }
   }
   const c10::cuda::CUDAGuard guard(q.device());
@@ -246,6 +247,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   p.S = d.S;
   p.window = window;
   p.causal = causal;
+  p.symmetric = symmetric;
   p.max_context = planned;
   // + one key tile of headroom: the plan rounds splits up to whole tiles in int
   p.max_keys = narrow(planned + d.Bq + 64, "context + Bq keys per sequence") - 64;
@@ -255,14 +257,12 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_block,
   const bool tensor_cores = info.launchers->block_attention_plan(p, info.limits);
   TORCH_CHECK(tensor_cores || d.D <= kSimtMaxHeadDim, "block_attention on CUDA takes head dims up to ",
               kSimtMaxHeadDim, " (64 and 128 in bf16/fp16 on tensor cores), got D=", d.D);
-  at::Tensor partial_out, partial_lse, counters;
-  if (p.splits > 1) {
+  at::Tensor partial_out, partial_lse;
+  if (p.splits > 1) {  // merged by the combine launch (no zeroing: every split writes its LSEs)
     partial_out = at::empty({p.splits, d.Bsz, d.Bq, d.Hq, d.D}, q.options().dtype(at::kFloat));
     partial_lse = at::empty({p.splits, d.Bsz, d.Bq, d.Hq}, q.options().dtype(at::kFloat));
-    counters = at::zeros({p.tile_counter_count}, q.options().dtype(at::kInt));
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
-    p.tile_counters = counters.data_ptr<int>();
   }
   info.launchers->block_attention(p, c10::cuda::getCurrentCUDAStream());
   return out;

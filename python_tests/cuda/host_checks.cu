@@ -127,13 +127,17 @@ void check_plans() {
           CHECK(int64_t(p.splits) * p.keys_per_split >= p.max_keys, "splits do not cover %lld keys", (long long)p.max_keys);
           CHECK(int64_t(p.splits - 1) * p.keys_per_split < p.max_keys, "a split starts past %lld keys", (long long)p.max_keys);
           CHECK(p.splits == 1 || p.keys_per_split >= kAttnMinKeysPerSplit, "a split of %d keys", p.keys_per_split);
-          CHECK(p.tile_counter_count == int64_t(bsz) * p.Hkv * ((bq * 4 + kAttnBM - 1) / kAttnBM),
-                "tile counters %lld", (long long)p.tile_counter_count);
-          BlockAttentionParams c = p;  // causal masks scores only: the same schedule
-          c.causal = true;
-          CHECK(block_attention_plan(c, dev) && c.splits == p.splits && c.keys_per_split == p.keys_per_split,
-                "causal attention plans %d splits of %d keys, non-causal %d of %d", c.splits, c.keys_per_split,
-                p.splits, p.keys_per_split);
+          const int64_t ctas = int64_t(bsz) * p.Hkv * ((bq * 4 + kAttnBM - 1) / kAttnBM);
+          CHECK(p.splits == 1 || ctas * p.splits <= int64_t(dev.num_sms) * 2,
+                "%lld CTAs x %d splits exceed one wave", (long long)ctas, p.splits);  // <= 2 resident per SM
+          for (int rule = 0; rule < 2; ++rule) {  // causal and symmetric mask scores only: the same schedule
+            BlockAttentionParams c = p;
+            (rule == 0 ? c.causal : c.symmetric) = true;
+            c.window = 100;
+            CHECK(block_attention_plan(c, dev) && c.splits == p.splits && c.keys_per_split == p.keys_per_split,
+                  "%s attention plans %d splits of %d keys, non-causal %d of %d", rule == 0 ? "causal" : "symmetric",
+                  c.splits, c.keys_per_split, p.splits, p.keys_per_split);
+          }
         }
   // block_attention: path choice
   auto attention_tc = [](DType dtype, int D, uintptr_t q, const DeviceLimits& dev) {

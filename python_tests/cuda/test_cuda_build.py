@@ -79,7 +79,8 @@ def test_every_op_has_tensor_core_and_simt_kernels_for_every_arch(sass, arch, op
     namespace = f"{len(arch)}{arch}"  # Itanium mangling of the per-arch namespace
     tc = _kernels(sass, ARCHES[arch], rf"{namespace}\d+{op}_tc_kernel")
     simt = _kernels(sass, ARCHES[arch], rf"{namespace}\d+{op}_simt_kernel")
-    # (bf16, fp16) x head dims {64, 128}, and block_attention's x causal {false, true}
+    # (bf16, fp16) x head dims {64, 128}, and block_attention's x per-query key spans (causal or
+    # symmetric) {false, true}
     expected_tc = {"inject_context_kv": 4, "block_attention": 8}[op]
     assert len(tc) == expected_tc, f"{op} tensor-core kernels for {arch}: {sorted(tc)}"
     assert len(simt) == 3, f"{op} SIMT kernels for {arch} (fp32, bf16, fp16): {sorted(simt)}"
@@ -118,6 +119,40 @@ def test_gemv_kernels_stream_the_weight_through_mma_sync_on_every_arch(sass, arc
         assert " HMMA.16816.F32" in body, f"{name} ({arch}) has no m16n8k16 mma.sync"
         assert "HGMMA" not in body, f"{name} ({arch}) contains wgmma"
         assert re.search(r"LDG\.E\.NA\.128", body), f"{name} ({arch}) has no 16-byte L1-bypassing weight load"
+        assert not re.search(r"\b(LDL|STL)\b", body), f"{name} ({arch}) uses local memory"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_block_attention_has_a_combine_kernel_per_dtype_and_head_dim(sass, arch):
+    """The split-KV merge is its own launch: (bf16, fp16) x D {64, 128}."""
+    _built(arch)
+    kernels = _kernels(sass, ARCHES[arch], rf"{len(arch)}{arch}\d+block_attention_combine_kernel")
+    assert len(kernels) == 4, f"block_attention combine kernels for {arch}: {sorted(kernels)}"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_block_attention_combine_batches_its_partial_loads(sass, arch):
+    """The combine is bound by its loads of the fp32 partials: they are 16 bytes wide and a
+    whole batch of them (kCombineBatch = 8) is issued before the math that uses them; without
+    the __syncwarp that holds them there, ptxas interleaved loads and math 2 to 4 at a time."""
+    _built(arch)
+    for name, body in _kernels(sass, ARCHES[arch], "block_attention_combine_kernel").items():
+        ops = re.findall(r"\b(LDG\.E\S*|FFMA|FMUL|FADD)\b", body)
+        longest = run = 0
+        for op in ops:
+            run = run + 1 if op.startswith("LDG") and op.endswith(".128") else 0 if not op.startswith("LDG") else run
+            longest = max(longest, run)
+        assert longest >= 8, f"{name} ({arch}): at most {longest} 16-byte partial loads in flight before their use"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_no_kernel_uses_local_memory(sass, arch):
+    """No local loads or stores (LDL / STL: spills, or arrays the compiler could not keep
+    in registers) in any kernel's SASS; the ptxas report test checks the same from -v."""
+    _built(arch)
+    kernels = sass.get(ARCHES[arch], {})
+    assert kernels
+    for name, body in kernels.items():
         assert not re.search(r"\b(LDL|STL)\b", body), f"{name} ({arch}) uses local memory"
 
 

@@ -33,29 +33,62 @@ def test_split_plan_covers_every_unit_once_and_respects_its_bounds(ctas, units, 
         assert splits == 1, "a grid that already fills the wave is split"
 
 
+H200_SMS, H200_PER_SM = 132, 2  # block_attention's D = 128 tile: 88 KiB of shared memory, 2 per SM
+
+
+def busiest_sm_tiles(ctas, splits, tiles, sms):
+    # the plan's cost: resident CTAs on the busiest SM x key tiles per split
+    return -(-ctas * splits // sms) * tiles
+
+
 def test_attention_plan_keeps_long_splits_for_short_contexts():
-    # The issue's case: Hkv = 8, Bq = 16, group 4 -> 8 CTAs, 2k context; the old rule made 33 splits of 64 keys.
-    splits, tiles = C._cuda_plan("attention", 8, 2048 + 16, KEY_TILE, H200_WAVE)
+    # Hkv = 8, Bq = 16, group 4 -> 8 CTAs, 2k context; an older rule made 33 splits of 64 keys.
+    splits, tiles = C._cuda_plan("attention", 8, 2048 + 16, KEY_TILE, H200_SMS, H200_PER_SM)
     assert tiles * KEY_TILE >= MIN_KEYS
     assert splits <= (2048 + 16) // MIN_KEYS + 1
     assert covers_exactly(splits, tiles, -(-(2048 + 16) // KEY_TILE))
 
 
 @pytest.mark.parametrize("max_keys", [1, 17, 255, 256, 257, 1024, 4096 + 16, 16384 + 16, 1 << 20])
-@pytest.mark.parametrize("ctas", [1, 8, 64, 512])
-def test_attention_plan_splits(max_keys, ctas):
-    splits, tiles = C._cuda_plan("attention", ctas, max_keys, KEY_TILE, H200_WAVE)
+@pytest.mark.parametrize("ctas", [1, 8, 64, 131, 132, 133, 512])
+@pytest.mark.parametrize("sms,per_sm", [(132, 2), (132, 1), (108, 1), (148, 3), (4, 1)])
+def test_attention_plan_splits(max_keys, ctas, sms, per_sm):
+    splits, tiles = C._cuda_plan("attention", ctas, max_keys, KEY_TILE, sms, per_sm)
     key_tiles = -(-max_keys // KEY_TILE)
     assert covers_exactly(splits, tiles, key_tiles)
     assert splits == 1 or tiles * KEY_TILE >= MIN_KEYS
     assert splits <= 128
-    if ctas >= H200_WAVE:
-        assert splits == 1
+    assert splits == 1 or ctas * splits <= sms * per_sm, "the grid stays within one wave"
+    # no other split count within those bounds has a less loaded busiest SM
+    best = min(busiest_sm_tiles(ctas, -(-key_tiles // -(-key_tiles // s)), -(-key_tiles // s), sms)
+               for s in range(1, 129) if s == 1 or (-(-key_tiles // s) * KEY_TILE >= MIN_KEYS
+                                                    and ctas * s <= sms * per_sm))
+    assert busiest_sm_tiles(ctas, splits, tiles, sms) == best
 
 
-def test_attention_plan_of_long_context_fills_the_wave():
-    splits, _ = C._cuda_plan("attention", 8, 16384 + 16, KEY_TILE, H200_WAVE)
-    assert 8 * splits >= H200_WAVE - 8, "a long context with few CTAs should fill the GPU"
+@pytest.mark.parametrize("context", [4096, 16384, 32768])
+@pytest.mark.parametrize("Bq", [8, 16])
+def test_attention_plan_of_qwen3_8b_fills_one_wave_of_an_h200(context, Bq):
+    """The issue's shapes: 32 q / 8 KV heads, D = 128, Bq x 4 <= 64 rows -> 8 CTAs. From 16k on
+    the grid is exactly one wave (33 splits, 264 CTAs = 2 per SM); at 4k the 256-key minimum
+    allows 16 splits, and 13 of 320 keys load the busiest SM as much (fewer partials)."""
+    splits, tiles = C._cuda_plan("attention", 8, context + Bq, KEY_TILE, H200_SMS, H200_PER_SM)
+    assert covers_exactly(splits, tiles, -(-(context + Bq) // KEY_TILE))
+    if context >= 16384:
+        assert 8 * splits == H200_SMS * H200_PER_SM
+    else:
+        assert (splits, tiles) == (13, 5)
+
+
+def test_attention_plan_avoids_a_ragged_second_resident_cta():
+    # 8 CTAs x 17 splits = 136 CTAs on 132 SMs: 4 SMs would hold two and set the time.
+    splits, tiles = C._cuda_plan("attention", 8, 17 * 4 * KEY_TILE, KEY_TILE, H200_SMS, H200_PER_SM)
+    assert not (H200_SMS < 8 * splits <= H200_SMS + 8)
+    assert busiest_sm_tiles(8, splits, tiles, H200_SMS) < busiest_sm_tiles(8, 17, 4, H200_SMS)
+
+
+def test_attention_plan_does_not_split_a_full_grid():
+    assert C._cuda_plan("attention", H200_SMS * H200_PER_SM, 1 << 20, KEY_TILE, H200_SMS, H200_PER_SM)[0] == 1
 
 
 @pytest.mark.parametrize("ctas,k_tiles", [(18, 9), (80, 64), (32, 320), (1, 1), (264, 64), (2, 2)])

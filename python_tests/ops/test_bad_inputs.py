@@ -159,6 +159,13 @@ BAD = [
     ("block_attention", "window_negative_causal", lambda a: a.update(window=-1, causal=True), "window"),
     ("block_attention", "context_past_end_causal", lambda a: a.update(cache_offsets=torch.tensor([0, 5]), cache_lens=torch.tensor([9, ATT_S - 4]), causal=True),
      r"cache_offsets\[1\].*cache_lens\[1\].*past the end"),
+    ("block_attention", "causal_and_symmetric", lambda a: a.update(causal=True, symmetric=True),
+     "causal and symmetric exclude each other"),
+    ("block_attention", "max_context_symmetric", lambda a: a.update(window=3, symmetric=True, max_context=1),
+     r"sequence 0 sees 2 context rows \(cache_lens\[0\] = 3, window 3, symmetric\) but max_context is 1"),
+    ("block_attention", "window_negative_symmetric", lambda a: a.update(window=-1, symmetric=True), "window"),
+    ("block_attention", "context_past_end_symmetric", lambda a: a.update(cache_offsets=torch.tensor([0, 5]), cache_lens=torch.tensor([9, ATT_S - 4]), symmetric=True),
+     r"cache_offsets\[1\].*cache_lens\[1\].*past the end"),
     ("block_attention", "scale_nan", lambda a: a.update(scale=float("nan")), "scale"),
     ("block_attention", "scale_inf", lambda a: a.update(scale=float("inf")), "scale"),
     # --- skinny_linear ----------------------------------------------------------------

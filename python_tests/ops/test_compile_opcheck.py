@@ -27,6 +27,8 @@ def attention_args():
     ("block_attention", attention_args, {}),
     ("block_attention", attention_args, {"causal": True}),
     ("block_attention", attention_args, {"max_context": 9, "validate": False, "causal": True}),
+    ("block_attention", attention_args, {"symmetric": True}),
+    ("block_attention", attention_args, {"max_context": 9, "validate": False, "symmetric": True}),
     ("skinny_linear", lambda: (torch.randn(4, 40), torch.randn(24, 40), torch.randn(24)), {}),
     ("skinny_linear", lambda: (torch.randn(12, 40), torch.randn(24, 40), None), {}),
 ])
@@ -59,8 +61,8 @@ def test_compile_inject_context_kv():
     assert not torch.equal(eager.k_cache, inject_inputs().k_cache)  # something was written
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-def test_compile_block_attention(causal):
+@pytest.mark.parametrize("rule", [{}, {"causal": True}, {"symmetric": True}], ids=["bidir", "causal", "symmetric"])
+def test_compile_block_attention(rule):
     args = attention_args()
-    fn = torch.compile(lambda *a: dflash_ext.block_attention(*a, causal=causal) * 2, fullgraph=True)
-    torch.testing.assert_close(fn(*args), dflash_ext.block_attention(*args, causal=causal) * 2, rtol=0, atol=0)
+    fn = torch.compile(lambda *a: dflash_ext.block_attention(*a, **rule) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(*args), dflash_ext.block_attention(*args, **rule) * 2, rtol=0, atol=0)

@@ -10,9 +10,9 @@ tests hold the tolerances; this script is about memory errors). Exits non-zero o
 mismatch. Paths covered: the weight-streaming GEMV of project_features / inject_context_kv
 at T <= 16 (bf16/fp16; one and two 8-token tiles; CTAs spanning several row blocks, a
 partial last row block, skipped tokens), project_features' cuBLAS path (T > 16, fp32,
-odd H), tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV with the combine,
-empty splits; block_attention causal too) and the SIMT kernels (fp32, odd shapes); and
-the index guards: bad slots, positions and cache ranges with
+odd H), tensor-core kernels (bf16/fp16; D 64/128; split-K and split-KV with the combine
+launch, empty splits; block_attention causal and with a symmetric window too) and the SIMT
+kernels (fp32, odd shapes); and the index guards: bad slots, positions and cache ranges with
 validate=False (skipped or clamped, so memcheck must see no access outside the tensors);
 block_conv (taps past the block's start, T > B).
 """
@@ -78,6 +78,16 @@ def attention_cases():
             out = dflash_ext.block_attention(*inp.args(), causal=causal)
             compare(f"block_attention {dtype} lens={lens} Bq={Bq} Hq={Hq} Hkv={Hkv} D={D} window={window} causal={causal}",
                     out, reference.block_attention(*inp.args(), causal=causal))
+        # symmetric window (|p - k| < W): split-KV with splits most rows see none of, a window
+        # under Bq, two row tiles (group 8), window 0 (the unmasked kernel), the SIMT path
+        for lens, Bq, Hq, Hkv, D, window in shapes([
+                ([3000, 40], 16, 8, 2, 128, 6), ([2000, 5, 0], 16, 32, 4, 64, 700),
+                ([5000], 3, 6, 2, 64, 0), ([50, 9], 4, 4, 4, 96, 3)]):
+            inp = make_attention_inputs(lens, Bq, Hq, Hkv, D, window=window, symmetric=True, dtype=dtype,
+                                        device="cuda", seed=Bq + 1, poison=False)
+            out = dflash_ext.block_attention(*inp.args(), symmetric=True)
+            compare(f"block_attention {dtype} lens={lens} Bq={Bq} Hq={Hq} Hkv={Hkv} D={D} window={window} symmetric",
+                    out, reference.block_attention(*inp.args(), symmetric=True))
 
 
 def conv_cases():
@@ -115,6 +125,13 @@ def unvalidated_bad_index_cases():
         att.cache_offsets, att.cache_lens = torch.tensor([0, S - 10], device="cuda"), torch.tensor([S, 10], device="cuda")
         att.window = 1000  # what the clamps amount to: offsets into the cache, at most max_context rows
         compare(f"block_attention {dtype} bad ranges, validate=False", out, reference.block_attention(*att.args()))
+        att.cache_offsets = torch.tensor([-(1 << 40), S - 10], device="cuda")
+        att.cache_lens = torch.tensor([1 << 40, 500], device="cuda")
+        att.window = 300
+        out = dflash_ext.block_attention(*att.args(), max_context=1000, validate=False, symmetric=True)
+        att.cache_offsets, att.cache_lens = torch.tensor([0, S - 10], device="cuda"), torch.tensor([S, 10], device="cuda")
+        compare(f"block_attention {dtype} bad ranges, validate=False, symmetric", out,
+                reference.block_attention(*att.args(), symmetric=True))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ BlockAttentionDims check_block_attention(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& v_block, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& cache_offsets,
                                          const at::Tensor& cache_lens, double scale, int64_t window,
-                                         int64_t max_context);
+                                         int64_t max_context, bool causal, bool symmetric);
 SkinnyLinearDims check_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias);
 BlockConvDims check_block_conv(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta);
@@ -35,7 +35,7 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
 // visible context (visible_context in window.h: the rows all queries of a sequence see
 // together) at most max_context (>= 0 only).
 void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
-                        bool causal, int64_t max_context);
+                        bool causal, bool symmetric, int64_t max_context);
 
 // The draft layer's norms (appended block). RmsNormDims: rows = numel / H of x [..., H];
 // `residual` may be undefined (rms_norm) or must match x (add_rms_norm).

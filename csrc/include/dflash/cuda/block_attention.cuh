@@ -1,16 +1,21 @@
 // block_attention for one architecture: the Bq draft queries of one sequence attend to that
-// sequence's visible context in the cache followed by its own Bq block keys, non-causally or
-// causally (p.causal: the rules of dflash/window.h). The tensor-core kernel:
+// sequence's visible context in the cache followed by its own Bq block keys, non-causally,
+// causally or within a symmetric window (p.causal, p.symmetric: the rules of
+// dflash/window.h). The tensor-core kernel:
 //   - GQA packing: the Bq x group query rows that share a KV head form the M dimension
 //     (16 x 4 = 64 rows = one wgmma warpgroup), so each K/V tile is read once per KV head.
-//   - Split-KV: grid.z splits the keys; each split writes its fp32 output and log-sum-exp,
-//     and the last split CTA of each (sequence, KV head, row tile) to finish, found by an
-//     atomic counter, merges them (splits == 1 writes the output directly; no second launch).
+//   - Split-KV: grid.z splits the keys so that the grid fills one wave of the SMs
+//     (attention_split_plan in plans.h); each split writes its fp32 output and log-sum-exp
+//     and a second launch, block_attention_combine_kernel, merges them over every output
+//     row in parallel (as FlashAttention-3's combine and FlashInfer's merge_states do).
+//     splits == 1 writes the output directly, no second launch.
 //   - Online softmax in registers, log2 domain: each thread owns two rows of the S and O
 //     accumulators, shared with the other lanes of its quad (quad shuffles reduce a row);
 //     P goes back to shared memory as the A operand of P*V (V is read MN-major).
-//   - Causal is a template flag (the non-causal kernel is unchanged): scores are masked per
-//     (query row, key). A row tile's queries together see every key, so no tile is skipped.
+//   - Per-query key spans (causal, or symmetric with a window) are one template flag (the
+//     unmasked kernel is unchanged): scores are masked per (query row, key) to the row's
+//     span [first, last] (seen_keys in window.h). A row tile's queries together see every
+//     key, so no tile is skipped.
 // Requirements (checked by the plan function, else the SIMT path runs): bf16/fp16,
 // D in {64, 128}. The SIMT kernel (every dtype, D <= kSimtMaxHeadDim): one warp per
 // (sequence, query, q head). Host side: kernel choice, split-KV plan, launch.
@@ -36,7 +41,7 @@ struct KeyRange {
 __device__ __forceinline__ KeyRange key_range(const BlockAttentionParams& p, int b) {
   const int64_t off = min(max(p.cache_offsets[b], int64_t(0)), p.S);
   const int64_t n = min(max(p.cache_lens[b], int64_t(0)), p.S - off);
-  const int64_t visible = min(visible_context(n, p.window, p.causal), p.max_context);
+  const int64_t visible = min(visible_context(n, p.window, p.causal || p.symmetric), p.max_context);
   return {off + n - visible, static_cast<int>(visible), static_cast<int>(visible) + p.Bq};
 }
 
@@ -67,57 +72,97 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Split-KV merge, run by every split CTA when it is done: the one that finishes last for
-// its tile (the counter reaches splits - 1) merges the tile's rows over all splits,
-// out = sum_s exp(lse_s - max) O_s / sum_s exp(lse_s - max) (partials are normalized by
-// their own l). The counters are zeroed before every launch (a memset node in a graph).
-// Partials are read through L2 (__ldcg): other CTAs wrote them, and L1 is not coherent.
-// `scratch` is the CTA's dynamic shared memory, free by now (no copy in flight, every MMA
-// done): a static __shared__ array here would move the dynamic buffer off its 1 KiB
-// alignment, which the wgmma swizzle needs. It holds the flag and the per-(split, row)
-// weights, so the loop over the D columns reads only the partial outputs.
-inline constexpr int kAttnCombineScratchFloats = 1 + kAttnMaxSplits * kAttnBM;
-static_assert(kAttnCombineScratchFloats * 4 <= attention_smem_bytes<64>(2), "the combine scratch must fit the tile buffers");
-template <class T, int D, class RowIndex>
-__device__ void combine_splits_if_last(const BlockAttentionParams& p, int r0, int rows, const RowIndex& row_index,
-                                       float* scratch) {
-  int* is_last = reinterpret_cast<int*>(scratch);
-  float* weight = scratch + 1;  // [splits][kAttnBM]: exp(lse_s - max) / sum_s exp(lse_s - max)
-  __threadfence();  // this CTA's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) *is_last = atomicAdd(p.tile_counters + blockIdx.x * gridDim.y + blockIdx.y, 1) == p.splits - 1;
-  __syncthreads();
-  if (!*is_last) return;
-  __threadfence();
-  const int64_t plane = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;  // rows of one split
-  for (int r = threadIdx.x; r < kAttnBM; r += kTileThreads) {
-    if (r0 + r >= rows) continue;
-    const int64_t row = row_index(r);
-    float m = -INFINITY, denom = 0.f;
-    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, __ldcg(p.partial_lse + s * plane + row));
-    for (int s = 0; s < p.splits; ++s) {
-      const float w = expf(__ldcg(p.partial_lse + s * plane + row) - m);
-      weight[s * kAttnBM + r] = w;
-      denom += w;
-    }
-    // denom >= 1: the split holding the block keys is never empty
-    for (int s = 0; s < p.splits; ++s) weight[s * kAttnBM + r] /= denom;
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < kAttnBM * D; c += kTileThreads) {
-    const int r = c / D, d = c % D;
-    if (r0 + r >= rows) continue;
-    const int64_t row = row_index(r);
-    float acc = 0.f;
-    for (int s = 0; s < p.splits; ++s) {
-      const float w = weight[s * kAttnBM + r];
-      if (w > 0.f) acc += w * __ldcg(p.partial_out + (s * plane + row) * D + d);  // empty splits: w = 0
-    }
-    static_cast<T*>(p.out)[row * D + d] = from_float<T>(acc);
-  }
+// Split-KV merge (splits > 1), a second launch over every output row, so that all SMs merge
+// at once: out = sum_s w_s O_s with w_s = exp(lse_s - max) / sum_s' exp(lse_s' - max)
+// (partials are normalized by their own l). Each warp first turns one row's LSEs into its
+// weights in shared memory (a lane per split); then each thread owns 4 columns of a row and
+// sums the splits with 16-byte loads, issued in batches ahead of their uses. A split a
+// row saw no key of has lse = -inf, weight 0, and its partial output (NaN, or never
+// written for an empty split) is dropped by a select, never multiplied. Reads 4 bytes per
+// split and output element and writes 2: at Qwen3-8B heads with 33 splits (16k context on
+// an H200) 8.7 MB per call at B = 16, an eighth of the 67 MB of K/V (partials that an
+// H100/H200's 50 MB L2 can still hold when the combine reads them). Every row has a
+// finite LSE somewhere: a query sees at least itself, in the split holding the block keys.
+inline constexpr int kCombineThreads = 128;
+inline constexpr int kCombineBatch = 8;  // splits loaded per batch
+template <int D>
+constexpr int combine_rows_per_cta() { return kCombineThreads / (D / 4); }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
 }
 
-template <class T, int D, bool kCausal>
+template <class T, int D>
+__global__ void __launch_bounds__(kCombineThreads)
+block_attention_combine_kernel(const __grid_constant__ BlockAttentionParams p) {
+  constexpr int kRows = combine_rows_per_cta<D>();
+  static_assert(kRows * (D / 4) == kCombineThreads, "whole rows per CTA");
+  __shared__ float weight[kAttnMaxSplits][kRows];
+  const int64_t rows = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;  // rows of one split
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kRows && row0 + r < rows; r += kCombineThreads / 32) {
+    const float* lse = p.partial_lse + row0 + r;
+    float m = -INFINITY;
+    for (int s = lane; s < p.splits; s += 32) m = fmaxf(m, lse[s * rows]);
+    m = warp_max(m);
+    float sum = 0.f;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float l = lse[s * rows];
+      const float w = l == -INFINITY ? 0.f : expf(l - m);
+      weight[s][r] = w;
+      sum += w;
+    }
+    const float inv = 1.f / warp_sum(sum);
+    for (int s = lane; s < p.splits; s += 32) weight[s][r] *= inv;  // the lane's own writes
+  }
+  __syncthreads();
+  const int r = threadIdx.x / (D / 4), d = (threadIdx.x % (D / 4)) * 4;
+  // A thread past the last row (D = 64: half a warp) stays to the end for the __syncwarp
+  // below, reading the last row and storing nothing.
+  const int64_t row = row0 + r, read_row = min(row, rows - 1);
+  const float4* src = reinterpret_cast<const float4*>(p.partial_out + read_row * D + d);
+  const int64_t stride = rows * D / 4;  // float4s between splits
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  // Batches of kCombineBatch splits, loaded into registers before the math: the
+  // __syncwarp after the loads is a memory-ordering point that ptxas does not move them
+  // past, so the whole batch is in flight at once (test_cuda_build checks the SASS);
+  // without it ptxas interleaved loads and math, 2 to 4 loads ahead depending on the
+  // architecture. A batch
+  // past the last split loads the last split again (no predicate) and weighs it 0; weight[]
+  // has kAttnMaxSplits rows, a multiple of the batch, so a batch never indexes past it.
+  static_assert(kAttnMaxSplits % kCombineBatch == 0, "whole batches");
+  for (int s0 = 0; s0 < p.splits; s0 += kCombineBatch) {
+    float4 v[kCombineBatch];
+#pragma unroll
+    for (int j = 0; j < kCombineBatch; ++j) v[j] = __ldcs(src + min(s0 + j, p.splits - 1) * stride);  // read once
+    __syncwarp();  // the batch's loads stay above this point
+#pragma unroll
+    for (int j = 0; j < kCombineBatch; ++j) {
+      const float w = weight[s0 + j][r];
+      const bool use = s0 + j < p.splits && w > 0.f;
+      acc.x += use ? w * v[j].x : 0.f;
+      acc.y += use ? w * v[j].y : 0.f;
+      acc.z += use ? w * v[j].z : 0.f;
+      acc.w += use ? w * v[j].w : 0.f;
+    }
+  }
+  static_assert(sizeof(T) == 2, "the combine runs for the 16-bit tensor-core kernels");
+  auto pair = [](float a, float b) {
+    uint32_t u;
+    T* e = reinterpret_cast<T*>(&u);
+    e[0] = from_float<T>(a);
+    e[1] = from_float<T>(b);
+    return u;
+  };
+  if (row >= rows) return;
+  // one 8-byte store of the four outputs (row * D + d is a multiple of 4 elements)
+  *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + d) = make_uint2(pair(acc.x, acc.y), pair(acc.z, acc.w));
+}
+
+template <class T, int D, bool kPerQuery>
 __global__ void __launch_bounds__(kTileThreads)
 block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   constexpr int BM = kAttnBM, BN = kAttnBN;
@@ -172,13 +217,8 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   };
 
   const int64_t split_base = static_cast<int64_t>(split) * p.Bsz * p.Bq * p.Hq;  // partial rows
-  if (key_begin >= key_end) {  // an empty split (splits > 1): it adds nothing to the combine
-    for (int r = tid; r < BM && r0 + r < rows; r += kTileThreads) {
-      const int64_t row = split_base + row_index(r);
-      p.partial_lse[row] = -INFINITY;
-      for (int d = 0; d < D; ++d) p.partial_out[row * D + d] = 0.f;
-    }
-    combine_splits_if_last<T, D>(p, r0, rows, row_index, reinterpret_cast<float*>(smem_raw));
+  if (key_begin >= key_end) {  // an empty split (splits > 1): weight 0 in the combine
+    for (int r = tid; r < BM && r0 + r < rows; r += kTileThreads) p.partial_lse[split_base + row_index(r)] = -INFINITY;
     return;
   }
 
@@ -193,13 +233,14 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const float scale_log2 = p.scale * kLog2e;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // this thread's two rows
-  int first_key[2] = {0, 0}, last_key[2] = {0, 0};                   // causal: the keys they see
-  if constexpr (kCausal) {
+  int first_key[2] = {0, 0}, last_key[2] = {0, 0};                   // per query: the keys they see
+  if constexpr (kPerQuery) {
     CUTE_UNROLL
     for (int j = 0; j < 2; ++j) {
       const int pos = keys.n_ctx + (r0 + attn_first_row(tid) + 8 * j) / group;
-      first_key[j] = static_cast<int>(causal_first_key(pos, p.window));
-      last_key[j] = pos;
+      const KeySpan span = seen_keys(pos, keys.total, p.window, p.causal, p.symmetric);
+      first_key[j] = static_cast<int>(span.first);
+      last_key[j] = static_cast<int>(span.last);
     }
   }
   auto o_acc = GemmPV::make_acc();
@@ -223,7 +264,7 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     for (int i = 0; i < size(s_acc); ++i) {
       const int slot = attn_elem_slot(i), key = tile_begin + get<1>(s_coords(i));
       bool seen = key < key_end;
-      if constexpr (kCausal) seen = seen && key >= first_key[slot] && key <= last_key[slot];
+      if constexpr (kPerQuery) seen = seen && key >= first_key[slot] && key <= last_key[slot];
       const float s = seen ? s_acc(i) * scale_log2 : -INFINITY;
       s_acc(i) = s;
       mx[slot] = fmaxf(mx[slot], s);
@@ -231,10 +272,10 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     float alpha[2], m_exp[2];
     CUTE_UNROLL
     for (int j = 0; j < 2; ++j) {
-      const float m_new = fmaxf(m_run[j], quad_max(mx[j]));  // non-causal, finite: every tile has a key
-      // Causal, a row may have seen no key yet (m_new = -inf): its exponents then use 0, so
-      // that its P and alpha are 0, not NaN.
-      m_exp[j] = kCausal && m_new == -INFINITY ? 0.f : m_new;
+      const float m_new = fmaxf(m_run[j], quad_max(mx[j]));  // unmasked, finite: every tile has a key
+      // Per query, a row may have seen no key yet (m_new = -inf): its exponents then use 0,
+      // so that its P and alpha are 0, not NaN.
+      m_exp[j] = kPerQuery && m_new == -INFINITY ? 0.f : m_new;
       alpha[j] = exp2f(m_run[j] - m_exp[j]);  // 0 on the row's first tile with a key
       m_run[j] = m_new;
     }
@@ -258,8 +299,8 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
     GemmPV::run(sP, smem_stage<LayoutV>(v_ptr, stage), o_acc, tid);
   }
 
-  // Causal, a row may see no key of this split (l = 0, lse = -inf): its partial output is
-  // NaN, and the combine gives it weight 0 and never reads it.
+  // Per query, a row may see no key of this split (l = 0, lse = -inf): its partial output
+  // is NaN, and the combine gives it weight 0 and drops it.
   CUTE_UNROLL
   for (int i = 0; i < size(o_acc); ++i) {
     const int r = get<0>(o_coords(i)), d = get<1>(o_coords(i));
@@ -278,7 +319,6 @@ block_attention_tc_kernel(const __grid_constant__ BlockAttentionParams p) {
       if (r0 + r < rows) p.partial_lse[split_base + row_index(r)] = m_run[j] / kLog2e + logf(l_run[j]);
     }
   }
-  if (p.splits > 1) combine_splits_if_last<T, D>(p, r0, rows, row_index, reinterpret_cast<float*>(smem_raw));
 }
 
 // One warp per (sequence, query, q head): online softmax over the keys it sees, D <= 256.
@@ -301,9 +341,9 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
     o[j] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  // causal: the keys [first, n_ctx + i], never empty (the query sees itself)
-  const int key_first = p.causal ? static_cast<int>(causal_first_key(keys.n_ctx + i, p.window)) : 0;
-  const int key_end = p.causal ? keys.n_ctx + i + 1 : keys.total;
+  // the keys [first, last] of seen_keys, never empty (the query sees itself)
+  const KeySpan span = seen_keys(keys.n_ctx + i, keys.total, p.window, p.causal, p.symmetric);
+  const int key_first = static_cast<int>(span.first), key_end = static_cast<int>(span.last) + 1;
   for (int key = key_first; key < key_end; ++key) {
     const bool from_block = key >= keys.n_ctx;
     const int64_t row = from_block ? (static_cast<int64_t>(b) * p.Bq + (key - keys.n_ctx)) * p.Hkv + kvh
@@ -329,17 +369,22 @@ block_attention_simt_kernel(const __grid_constant__ BlockAttentionParams p) {
 }
 
 // ---------------------------------------------------------------- plan and launch
-template <class T, int D, bool kCausal>
+template <class T, int D, bool kPerQuery>
 int attention_tc_ctas_per_sm() {
-  return prepare_kernel<&block_attention_tc_kernel<T, D, kCausal>>(kTileThreads, attention_smem_bytes<D>(sizeof(T)),
-                                                                  "block_attention");
+  return prepare_kernel<&block_attention_tc_kernel<T, D, kPerQuery>>(kTileThreads, attention_smem_bytes<D>(sizeof(T)),
+                                                                    "block_attention");
 }
 
-// f<D, kCausal>() for the head dim (64 or 128) and p.causal.
+// Whether each query has its own key span (causal, or symmetric with a window); symmetric
+// without a window is plain non-causal attention.
+inline bool per_query_keys(const BlockAttentionParams& p) { return p.causal || (p.symmetric && p.window > 0); }
+
+// f<D, kPerQuery>() for the head dim (64 or 128) and per_query_keys(p).
 template <class F>
 decltype(auto) dispatch_tc_kernel(const BlockAttentionParams& p, F&& f) {
-  if (p.D == 64) return p.causal ? f.template operator()<64, true>() : f.template operator()<64, false>();
-  return p.causal ? f.template operator()<128, true>() : f.template operator()<128, false>();
+  const bool per_query = per_query_keys(p);
+  if (p.D == 64) return per_query ? f.template operator()<64, true>() : f.template operator()<64, false>();
+  return per_query ? f.template operator()<128, true>() : f.template operator()<128, false>();
 }
 
 inline int attention_row_tiles(const BlockAttentionParams& p) {
@@ -355,37 +400,39 @@ bool block_attention_plan(BlockAttentionParams& p, const DeviceLimits& dev) {
                   aligned16(p.v_cache) && smem <= dev.max_smem_per_block;
   p.tensor_cores = tc;
   p.splits = 1;
-  p.tile_counter_count = 0;
   p.keys_per_split = static_cast<int>(std::min<int64_t>(p.max_keys, INT32_MAX));
   if (!tc) return false;
   int per_sm = 1;
   auto occupancy = [&]<class T>() {
     if constexpr (!std::is_same_v<T, float>)
-      per_sm = dispatch_tc_kernel(p, []<int D, bool kCausal>() { return attention_tc_ctas_per_sm<T, D, kCausal>(); });
+      per_sm = dispatch_tc_kernel(p, []<int D, bool kPerQuery>() { return attention_tc_ctas_per_sm<T, D, kPerQuery>(); });
   };
   dispatch_all_types(p.dtype, occupancy);
   const int64_t ctas = static_cast<int64_t>(p.Bsz) * p.Hkv * attention_row_tiles(p);
-  p.tile_counter_count = ctas;
-  const SplitPlan plan = attention_split_plan(ctas, p.max_keys, kAttnBN, static_cast<int64_t>(dev.num_sms) * per_sm);
+  const SplitPlan plan = attention_split_plan(ctas, p.max_keys, kAttnBN, dev.num_sms, per_sm);
   p.splits = plan.splits;
   p.keys_per_split = plan.units_per_split * kAttnBN;
   return true;
 }
 
-template <class T, int D, bool kCausal>
+template <class T, int D, bool kPerQuery>
 void launch_attention_tc(const BlockAttentionParams& p, cudaStream_t stream) {
   constexpr int smem = attention_smem_bytes<D>(sizeof(T));
-  attention_tc_ctas_per_sm<T, D, kCausal>();  // the shared-memory opt-in (once per device)
+  attention_tc_ctas_per_sm<T, D, kPerQuery>();  // the shared-memory opt-in (once per device)
   const dim3 grid(p.Bsz * p.Hkv, attention_row_tiles(p), p.splits);
-  block_attention_tc_kernel<T, D, kCausal><<<grid, kTileThreads, smem, stream>>>(p);
+  block_attention_tc_kernel<T, D, kPerQuery><<<grid, kTileThreads, smem, stream>>>(p);
   check_launch("block_attention_tc_kernel");
+  if (p.splits == 1) return;
+  const int64_t rows = static_cast<int64_t>(p.Bsz) * p.Bq * p.Hq;
+  block_attention_combine_kernel<T, D><<<ceil_div(rows, combine_rows_per_cta<D>()), kCombineThreads, 0, stream>>>(p);
+  check_launch("block_attention_combine_kernel");
 }
 
 void block_attention(const BlockAttentionParams& p, cudaStream_t stream) {
   auto run = [&]<class T>() {
     if constexpr (!std::is_same_v<T, float>) {
       if (p.tensor_cores) {
-        dispatch_tc_kernel(p, [&]<int D, bool kCausal>() { launch_attention_tc<T, D, kCausal>(p, stream); });
+        dispatch_tc_kernel(p, [&]<int D, bool kPerQuery>() { launch_attention_tc<T, D, kPerQuery>(p, stream); });
         return;
       }
     }

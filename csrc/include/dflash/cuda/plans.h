@@ -30,13 +30,35 @@ inline SplitPlan split_plan(int64_t ctas, int64_t units, int64_t min_units, int6
   return {static_cast<int>((units + per - 1) / per), static_cast<int>(per)};
 }
 
-// block_attention: split-KV over key tiles of `key_tile` keys; at least kAttnMinKeysPerSplit
-// keys per split (64-key splits of a short context moved ~2x the K/V bytes as fp32 partials).
+// block_attention: split-KV over key tiles of `key_tile` keys, at least kAttnMinKeysPerSplit
+// keys per split (64-key splits of a short context moved ~2x the K/V bytes as fp32
+// partials) and at most kAttnMaxSplits. The grid stays within one wave (ctas x splits <=
+// num_sms x ctas_per_sm: every CTA resident at once, no tail wave) and, within it, the
+// split count minimizes the key tiles that the busiest SM reads, ceil(ctas x splits /
+// num_sms) resident CTAs x tiles per split: the kernel streams K/V, so its time is the
+// busiest SM's bytes. A grid whose CTAs per SM come out uneven (e.g. 136 CTAs on 132 SMs)
+// leaves most SMs idle half the time and loses to a smaller or a fuller one; ties go to
+// fewer splits (fewer partial bytes). E.g. 8 CTAs (one sequence of Qwen3-8B's 8 KV heads)
+// on an H200 (132 SMs x 2): 33 splits, 264 CTAs, 2 per SM.
 inline constexpr int kAttnMinKeysPerSplit = 256;
 inline constexpr int kAttnMaxSplits = 128;
-inline SplitPlan attention_split_plan(int64_t ctas, int64_t max_keys, int key_tile, int64_t wave) {
+inline SplitPlan attention_split_plan(int64_t ctas, int64_t max_keys, int key_tile, int64_t num_sms,
+                                      int64_t ctas_per_sm) {
+  ctas = std::max<int64_t>(ctas, 1);
+  num_sms = std::max<int64_t>(num_sms, 1);
   const int64_t tiles = (std::max<int64_t>(max_keys, 1) + key_tile - 1) / key_tile;
-  return split_plan(ctas, tiles, (kAttnMinKeysPerSplit + key_tile - 1) / key_tile, kAttnMaxSplits, wave);
+  const int64_t min_tiles = (kAttnMinKeysPerSplit + key_tile - 1) / key_tile;
+  const int64_t wave = num_sms * std::max<int64_t>(ctas_per_sm, 1);
+  const int64_t most = std::min<int64_t>(wave / ctas, kAttnMaxSplits);
+  SplitPlan best{1, static_cast<int>(tiles)};
+  int64_t best_cost = (ctas + num_sms - 1) / num_sms * tiles;
+  for (int64_t want = 2; want <= most; ++want) {
+    const int64_t per = (tiles + want - 1) / want, splits = (tiles + per - 1) / per;
+    if (per < min_tiles) break;  // and shorter from here on
+    const int64_t cost = (ctas * splits + num_sms - 1) / num_sms * per;
+    if (cost < best_cost) best = {static_cast<int>(splits), static_cast<int>(per)}, best_cost = cost;
+  }
+  return best;
 }
 
 // inject_context_kv's tensor-core kernel (T > kGemvMaxRows): split-K over K tiles, each
