@@ -1,9 +1,9 @@
 """The draft step of :class:`~dflash_ext.drafter.DFlashDrafter` over the fused ops (inference):
 the stacked K/V weights and RoPE tables the ops read, :meth:`DraftStep.add_context` (target
 features into the context cache) and :meth:`DraftStep.draft_hidden` (the layers over a block).
-The layers run on the fused path of :meth:`DraftStep._fused_layer` (10 ops a v1 layer),
-the symmetric-window ones excepted; DecoderLayer.forward, which training runs, is its
-reference (``fused=False``).
+Every layer runs on the fused path of :meth:`DraftStep._fused_layer` (10 ops a v1 layer;
+symmetric-window layers through block_attention's symmetric window); DecoderLayer.forward,
+which training runs, is its reference (``fused=False``).
 A mixin: DFlashDrafter has these methods."""
 from typing import Sequence
 
@@ -17,6 +17,13 @@ from .draft_cache import DraftCache
 class DraftStep:
     """DFlashDrafter's draft step (it holds `config`, `layers`, `fc`, `hidden_norm`, `norm`,
     and the `_stacked` / `_layer_weights` / `_rope` caches)."""
+
+    def stack_weights(self) -> None:
+        """Stack the weights the fused ops read now, as the first draft step would (the
+        proposer calls it at its start: on the caller's stream, never first inside a CUDA
+        graph's warm-up)."""
+        self._stacked_kv_weights()
+        self._stacked_layer_weights()
 
     def _stacked_kv_weights(self):
         """[N, Hkv*D, H] K and V weights and [N, D] k_norm weights of all layers, rebuilt
@@ -32,16 +39,18 @@ class DraftStep:
 
     def _stacked_layer_weights(self):
         """Per layer, (q/k/v weight [(Hq + 2 Hkv) * D, H], gate/up weight [2 I, H]): each
-        layer's projections stacked for the fused path's two GEMMs, rebuilt only when a weight
-        changed. A copy beside the parameters, which keep their names (the checkpoint format)."""
-        key = _weights_key(l.weight for layer in self.layers for l in (
-            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
-            layer.mlp.up_proj))
-        if self._layer_weights is None or self._layer_weights[0] != key:
-            self._layer_weights = (key, [
-                (torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]).detach(),
-                 torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]).detach()) for l in self.layers])
-        return self._layer_weights[1]
+        layer's projections stacked for the fused path's two GEMMs. The parameters become views
+        of these rows (their names, and so the checkpoint format, stay): no second copy of the
+        weights, and an in-place update (a training step) is read at once. A cast, a move or a
+        replaced parameter gives them storage of their own again: then they are stacked anew."""
+        groups = [g for l in self.layers for g in (
+            (l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight),
+            (l.mlp.gate_proj.weight, l.mlp.up_proj.weight))]
+        stacked = self._layer_weights
+        if stacked is None or len(stacked) != len(groups) or \
+                not all(_holds_rows(w, g) for w, g in zip(stacked, groups)):
+            self._layer_weights = stacked = [_stack_rows(g) for g in groups]
+        return list(zip(stacked[0::2], stacked[1::2]))
 
     def rope_tables(self, length: int):
         """cos, sin [P, D] covering positions < length, computed by transformers' own Qwen3
@@ -166,3 +175,27 @@ def _weights_key(params):
     """What identifies the current values of these parameters: a cache built from them is
     stale once one is replaced, written in place (its version), cast or moved."""
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+
+
+def _stack_rows(params) -> torch.Tensor:
+    """One tensor of these 2-D parameters' rows, in order; each parameter becomes the view of
+    its rows. Made outside inference mode: the parameters stay trainable."""
+    with torch.inference_mode(False), torch.no_grad():
+        whole = torch.cat([p.detach() for p in params])
+        row = 0
+        for p in params:
+            p.data = whole[row:row + p.shape[0]]
+            row += p.shape[0]
+    return whole
+
+
+def _holds_rows(whole: torch.Tensor, params) -> bool:
+    """Whether `params` are still the views of `whole`'s rows that :func:`_stack_rows` made
+    (then `whole` holds their current values)."""
+    row, step = 0, whole.stride(0) * whole.element_size()
+    for p in params:
+        if p.device != whole.device or p.dtype != whole.dtype or p.shape[1:] != whole.shape[1:] \
+                or not p.is_contiguous() or p.data_ptr() != whole.data_ptr() + row * step:
+            return False
+        row += p.shape[0]
+    return row == whole.shape[0]

@@ -109,6 +109,8 @@ class DFlashProposer:
                  initial_capacity: Optional[int] = None):
         drafter.check_fits(target.config)
         self.drafter, self.fused = drafter, fused
+        if fused:
+            drafter.stack_weights()
         self.embed = block_embedding(target)
         self.lm_head = target.get_output_embeddings()
         self.layer_ids = drafter.config.target_layer_ids

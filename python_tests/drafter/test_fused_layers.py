@@ -2,8 +2,8 @@
 ops.rms_norm with the residual add, ops.qk_norm_rope; DFlash2's convolutions on ops.block_conv)
 against their reference,
 DecoderLayer.forward (fused=False): hidden states within the dtype's tolerance on random
-drafters, layouts mixing fused and unfused layers, the stacked weights following the
-parameters, the checkpoint format unchanged, and the same greedy drafts on tiny targets."""
+drafters, layouts mixing full and symmetric-window layers, the parameters as views of the
+stacked weights (no second copy; training and saving go on), the checkpoint format unchanged, and the same greedy drafts on tiny targets."""
 import pytest
 import torch
 
@@ -53,8 +53,8 @@ def test_fused_layers_match_the_decoder_layer(kind, dtype, rel):
 
 
 def test_fused_layers_beside_unfused_ones():
-    """A symmetric-window layer (plain torch on both paths) between fused ones: the residual
-    a fused layer leaves pending is added before it."""
+    """A symmetric-window layer (block_attention's symmetric window on the fused path) between
+    full-attention ones, and as the last layer."""
     drafter = _drafter(num_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
                        sliding_window=3, causal=False)
     assert drafter.config.layer_symmetric_window == [False, True, False]
@@ -78,28 +78,80 @@ def test_fused_dflash2_layers_match_the_decoder_layer(dtype, rel):
     _assert_hidden_close(_draft_hidden(drafter, True), _draft_hidden(drafter, False), rel)
 
 
-def test_stacked_weights_follow_the_parameters():
-    """Built once, reused while no weight changes; rebuilt after an in-place update (a
-    training step) and after a cast; the checkpoint keeps its own names."""
+def _stack_groups(layer):
+    a, m = layer.self_attn, layer.mlp
+    return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (m.gate_proj.weight, m.up_proj.weight)
+
+
+def _assert_views_of_stacked(drafter):
+    """Each layer's q/k/v and gate/up parameters are the rows of its stacked weights, in order."""
+    for layer, stacked in zip(drafter.layers, drafter._stacked_layer_weights()):
+        for whole, params in zip(stacked, _stack_groups(layer)):
+            assert torch.equal(whole, torch.cat([p.detach() for p in params]))
+            row = 0
+            for p in params:
+                assert p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                assert p.data_ptr() == whole[row].data_ptr()
+                row += p.shape[0]
+
+
+def test_stacked_weights_are_the_parameters():
+    """Stacked once, and the parameters become views of the stacked rows (no second copy); an
+    in-place update (a training step) is read with no rebuild; a replaced parameter and a cast
+    stack anew; the checkpoint keeps its own names."""
     drafter = _drafter(num_layers=2)
     keys = set(drafter.state_dict())
     first = drafter._stacked_layer_weights()
-    assert drafter._stacked_layer_weights() is first
+    _assert_views_of_stacked(drafter)
+    assert all(a is b for pair, again in zip(first, drafter._stacked_layer_weights()) for a, b in zip(pair, again))
     layer = drafter.layers[1]
-    qkv, gate_up = first[1]
-    assert torch.equal(qkv, torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                       layer.self_attn.v_proj.weight]))
-    assert torch.equal(gate_up, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
     before = _draft_hidden(drafter, True)
     with torch.no_grad():
         layer.mlp.up_proj.weight.mul_(1.5)
-    assert drafter._stacked_layer_weights() is not first
+    assert drafter._stacked_layer_weights()[1][1] is first[1][1]  # the update is already in it
     after = _draft_hidden(drafter, True)
     assert not torch.allclose(before, after)
     _assert_hidden_close(after, _draft_hidden(drafter, False), 2e-5)
+    layer.self_attn.k_proj.weight = torch.nn.Parameter(torch.randn_like(layer.self_attn.k_proj.weight))
+    assert drafter._stacked_layer_weights()[1][0] is not first[1][0]
+    _assert_views_of_stacked(drafter)
+    _assert_hidden_close(_draft_hidden(drafter, True), _draft_hidden(drafter, False), 2e-5)
     drafter.to(torch.bfloat16)
     assert drafter._stacked_layer_weights()[0][0].dtype == torch.bfloat16
+    _assert_views_of_stacked(drafter)
     assert set(drafter.state_dict()) == keys
+
+
+def test_stacked_weights_keep_training_and_saving(tmp_path):
+    """After a draft step (here in inference mode) the parameters still train, the optimizer's
+    in-place step reaches the stacked rows, and save_pretrained writes a checkpoint that loads
+    the same weights (the parameters are disjoint views of one tensor: safetensors writes
+    those, and would refuse overlapping ones)."""
+    drafter = _drafter(num_layers=2)
+    with torch.inference_mode():
+        _draft_hidden(drafter, True)
+    q = drafter.layers[0].self_attn.q_proj.weight
+    assert q.requires_grad and not q.is_inference()
+    opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4, drafter.config.hidden_size, generator=g)
+    cos, sin = torch.ones(1, 4, 1, drafter.config.head_dim), torch.zeros(1, 4, 1, drafter.config.head_dim)
+    def attend(q, k, v):  # [1, 4, heads, D]
+        t = [a.transpose(1, 2) for a in (q, k, v)]
+        return torch.nn.functional.scaled_dot_product_attention(*t, enable_gqa=True).transpose(1, 2)
+
+    out = drafter.layers[0](x, cos, sin, attend)
+    out.square().mean().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    old = q.detach().clone()
+    opt.step()
+    assert not torch.equal(q, old)
+    _assert_views_of_stacked(drafter)
+    _assert_hidden_close(_draft_hidden(drafter, True), _draft_hidden(drafter, False), 2e-5)
+    drafter.save_pretrained(str(tmp_path / "ckpt"))
+    loaded = DFlashDrafter.from_pretrained(str(tmp_path / "ckpt"))
+    for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
