@@ -2,7 +2,7 @@
 alone, transformers' own DFlash loop, and the speedup as a function of τ.
 
     python -m bench.gpu_e2e --device cuda --out OUT   # Qwen3-8B config, bf16, contexts 1k and 8k
-    python -m bench.gpu_e2e --small --out OUT         # a tiny config on the CPU (the smoke test)
+    python -m bench.gpu_e2e --small --out OUT         # narrow, same depth, on the CPU (the smoke test)
 
 The target is a Qwen3ForCausalLM of the real Qwen3-8B config (hidden 4096, 36 layers, 32
 heads, 8 K/V heads, head_dim 128, intermediate 12288, vocab 151936, rope theta 1e6),
@@ -46,11 +46,12 @@ QWEN3_8B_DRAFTER = dict(num_layers=5, block_size=16, target_layer_ids=[1, 9, 17,
 
 
 def target_config(small: bool):
-    """Qwen3-8B's config, by hand (or a tiny Qwen3 for --small)."""
+    """Qwen3-8B's config, by hand (or, for --small, a narrow Qwen3 of its depth: the drafter's
+    shape and target layers stay those of the GPU run)."""
     from transformers import Qwen3Config
 
     if small:
-        return Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        return Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=36,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                            rms_norm_eps=1e-6, tie_word_embeddings=False)
     return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -66,7 +67,7 @@ def build(args, device, dtype):
     from dflash_ext.drafter import DFlashDrafter
 
     config = target_config(args.small)
-    shape = dict(num_layers=2, block_size=args.block) if args.small else dict(QWEN3_8B_DRAFTER, block_size=args.block)
+    shape = dict(QWEN3_8B_DRAFTER, block_size=args.block)
     torch.manual_seed(args.seed)
     with torch.device(device):
         target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -230,7 +231,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cuda (default) or cpu; --small: cpu")
-    ap.add_argument("--small", action="store_true", help="a tiny Qwen3 target and drafter (the CPU smoke test)")
+    ap.add_argument("--small", action="store_true", help="a narrow Qwen3 target of Qwen3-8B's depth, the same drafter shape (the CPU smoke test)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="prompt tokens (default 1024 8192; small 24)")
     ap.add_argument("--block", type=int, default=None, help="B (default 16; small 4)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps / passes per row (default 20; small 3)")
@@ -303,7 +304,9 @@ def main(argv=None) -> int:
     meta = _common.metadata(device, dtype=str(dtype).replace("torch.", ""), block=args.block, steps=args.steps,
                             warmup=args.warmup, small=args.small,
                             static_cache_len=cache_len if args.cache_len == "shared" else f"context + {room}",
-                            config=target.config.to_dict() if args.small else "Qwen3-8B (by hand)")
+                            config=target.config.to_dict() if args.small else "Qwen3-8B (by hand)",
+                            drafter=dict(num_layers=len(drafter.layers), block_size=drafter.config.block_size,
+                                         target_layer_ids=list(drafter.config.target_layer_ids)))
     results = dict(metadata=meta, header=_common.header(meta), contexts=[], note=(
         "random weights: τ is not measured; speedup(τ) = τ · t_target / t_step with t_step measured at τ ≈ 1"))
     os.makedirs(args.out, exist_ok=True)

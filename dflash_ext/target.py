@@ -22,7 +22,7 @@ from .hardware import skinny_linear_streams
 from .rollback import CacheRollback, crop_cache, drop_tail
 
 __all__ = ["TargetRunner", "CacheRollback", "crop_cache", "cache_kwarg", "returned_cache", "linear_rows",
-           "streamed_linears", "static_cache", "compiled_call"]
+           "streamed_linear", "streamed_linears", "static_cache", "compiled_call"]
 
 
 def cache_kwarg(model) -> str:
@@ -85,7 +85,8 @@ class TargetRunner:
         if rollback is not None:
             rollback.check_pass(ids.shape[1])
         keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
-        out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want, **{self.cache_arg: cache}, **keep)
+        out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want,
+                                                 **{self.cache_arg: cache}, **keep)
         hs = out.hidden_states
         if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
                                                       for i in self.needed):
@@ -129,15 +130,20 @@ def _can_select_hidden_states() -> bool:
 _CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
 
 
+def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through ops.skinny_linear where its streaming kernel runs
+    (one pass over the weight: on the CPUs measured the library's GEMM costs about twice its
+    one-row GEMV at 2..8 rows, and its GEMV runs below the memory bandwidth on some:
+    bench/results/history/notebook-2026.md §6); many rows (a prefill), other devices and a
+    call that wants gradients (the op has no backward: training keeps working) stay on F.linear."""
+    if skinny_linear_streams(x, weight) and not ops.wants_grad(x, weight, bias):
+        return ops.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`, through ops.skinny_linear where its streaming kernel runs (one pass over
-    the weight: on the CPUs measured the library's GEMM costs about twice its one-row GEMV at
-    2..8 rows, and its GEMV runs below the memory bandwidth on some:
-    bench/results/history/notebook-2026.md §6); many rows (a prefill) stay on F.linear, and
-    so does a call that wants gradients (the op has no backward: training keeps working)."""
-    if skinny_linear_streams(x, layer.weight) and not ops.wants_grad(x, layer.weight, layer.bias):
-        return ops.skinny_linear(x, layer.weight, layer.bias)
-    return F.linear(x, layer.weight, layer.bias)
+    """`layer(x)` as :func:`streamed_linear`."""
+    return streamed_linear(x, layer.weight, layer.bias)
 
 
 @contextlib.contextmanager

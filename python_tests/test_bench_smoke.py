@@ -357,6 +357,7 @@ def test_gpu_e2e_small(tmp_path):
     assert "speedup(τ)" in proc.stdout and "forced acceptance" in proc.stdout
     data = json.loads((tmp_path / "gpu_e2e.json").read_text())
     assert data["metadata"]["small"] and data["metadata"]["block"] == 4
+    assert data["metadata"]["drafter"] == dict(num_layers=5, block_size=4, target_layer_ids=[1, 9, 17, 25, 33])
     (row,) = data["contexts"]
     assert row["context"] == 24
     for key in ("alone", "alone_static"):

@@ -68,8 +68,10 @@ def test_fused_step_has_at_most_12_compute_ops_per_layer(target):
     per_layer = (three.total - one.total) / 2
     layer_ops = three.ops - one.ops
     assert per_layer <= MAX_OPS_PER_LAYER, f"{per_layer} ops per layer: {dict(layer_ops)}"
-    # each layer: its two norms, one GEMM each for q/k/v, o, gate/up and down, q/k norm + RoPE, attention
-    assert layer_ops["aten.mm"] == 2 * 4 and layer_ops["dflash_ext.qk_norm_rope"] == 2
+    # each layer: its two norms, one GEMM each for q/k/v, o, gate/up and down, q/k norm + RoPE, attention;
+    # the GEMMs of a block's few rows (fp32) run skinny_linear's streaming kernel on the CPU
+    assert layer_ops["dflash_ext.skinny_linear"] == 2 * 4 and not layer_ops["aten.mm"]
+    assert layer_ops["dflash_ext.qk_norm_rope"] == 2
     assert layer_ops["dflash_ext.block_attention"] == 2 and layer_ops["dflash_ext.add_rms_norm"] == 2 * 2
 
 
