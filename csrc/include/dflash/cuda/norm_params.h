@@ -1,7 +1,7 @@
 // Parameter blocks and per-architecture launchers of the draft layer's norms (rms_norm,
 // add_rms_norm, qk_norm_rope): the host side is csrc/cuda/norms_cuda.cpp, the kernels
-// dflash/cuda/norms.cuh compiled by csrc/cuda/norms_<arch>.cu. Kept beside params.h (not in
-// it) so these ops add files rather than edit the shared ones.
+// dflash/cuda/norms.cuh compiled by csrc/cuda/norms_<arch>.cu; the launchers are chosen per
+// device with every other op's (ArchLaunchers, device_info in dispatch.h).
 #pragma once
 #include <cstdint>
 
