@@ -1,12 +1,15 @@
 // CUDA host side of the draft layer's norms (rms_norm, add_rms_norm, qk_norm_rope): the
-// shared input checks, contiguous operands, and dispatch to the launchers of the device's
-// architecture (device_info in dispatch.h, the choice every CUDA op shares). No host reads
-// of tensor values: a captured CUDA graph replays them.
+// shared input checks, contiguous operands, whether the kernels may move rows in 16-byte
+// accesses, and dispatch to the launchers of the device's architecture (device_info in
+// dispatch.h, the choice every CUDA op shares). No host reads of tensor values: a captured
+// CUDA graph replays them.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <tuple>
 
 #include "dflash/checks.h"
@@ -15,6 +18,19 @@
 
 namespace dflash::cuda {
 namespace {
+
+// Whether the kernels may move `period`-element runs of elements of `element_size` bytes in
+// 16-byte accesses: every run starts on a 16-byte boundary when every base pointer does
+// (torch's allocations do; a view at a storage offset may not) and the runs are whole vectors.
+// Pointers only: no tensor values are read.
+bool vector_accesses(std::initializer_list<const void*> pointers, std::initializer_list<int64_t> periods,
+                     int64_t element_size) {
+  for (const void* ptr : pointers)
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  for (const int64_t period : periods)
+    if (period * element_size % 16 != 0) return false;
+  return true;
+}
 
 // out (and sum, with a residual) in x's shape, contiguous.
 std::tuple<at::Tensor, at::Tensor> rms_norm_launch(const at::Tensor& x, const at::Tensor& residual,
@@ -38,6 +54,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_launch(const at::Tensor& x, const at
   p.H = static_cast<int>(d.H);
   p.eps = static_cast<float>(eps);
   p.dtype = dtype_of(x);
+  p.vec = vector_accesses({p.x, p.residual, p.weight, p.sum, p.out}, {d.H}, x.element_size());
   device_info(x.device()).launchers->rms_norm(p, c10::cuda::getCurrentCUDAStream());
   return {sum, out};
 }
@@ -81,6 +98,9 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cuda(const at::Tensor& qkv, cons
   p.D = static_cast<int>(d.D);
   p.eps = static_cast<float>(eps);
   p.dtype = dtype_of(qkv);
+  // rows ld apart, heads D apart, each half of a head (D / 2) a run
+  p.vec = vector_accesses({p.qkv, p.q_norm_weight, p.k_norm_weight, p.cos, p.sin, p.q, p.k}, {p.ld, d.D / 2},
+                          qkv.element_size());
   device_info(qkv.device()).launchers->qk_norm_rope(p, c10::cuda::getCurrentCUDAStream());
   return {q, k};
 }

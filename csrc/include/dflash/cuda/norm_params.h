@@ -23,6 +23,7 @@ struct RmsNormParams {
   int H;
   float eps;
   DType dtype;
+  bool vec;  // 16-byte accesses: H a multiple of 16 / element size, every pointer 16-byte aligned
 };
 
 // qk_norm_rope: q [M, Hq, D], k [M, Hkv, D] from qkv rows (stride ld elements, heads contiguous).
@@ -38,6 +39,7 @@ struct QkNormRopeParams {
   int Hq, Hkv, D;
   float eps;
   DType dtype;
+  bool vec;  // 16-byte accesses: D / 2 and ld multiples of 16 / element size, every pointer 16-byte aligned
 };
 
 #define DFLASH_DECLARE_NORM_LAUNCHERS(arch)                                  \
