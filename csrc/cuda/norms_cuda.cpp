@@ -1,58 +1,35 @@
 // CUDA host side of the draft layer's norms (rms_norm, add_rms_norm, qk_norm_rope): the
-// shared input checks, contiguous operands, and dispatch to the launchers of the device's
-// architecture (kernel_arch_for in plans.h, as ops_cuda.cpp picks them). Kept apart from
-// ops_cuda.cpp so these ops add files rather than edit it. No host reads of tensor values:
-// a captured CUDA graph replays them.
+// shared input checks, contiguous operands, whether the kernels may move rows in 16-byte
+// accesses, and dispatch to the launchers of the device's architecture (device_info in
+// dispatch.h, the choice every CUDA op shares). No host reads of tensor values: a captured
+// CUDA graph replays them.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <tuple>
-#include <utility>
 
 #include "dflash/checks.h"
+#include "dflash/cuda/dispatch.h"
 #include "dflash/cuda/norm_params.h"
-#include "dflash/cuda/plans.h"
 
 namespace dflash::cuda {
 namespace {
 
-struct NormLaunchers {
-  void (*rms_norm)(const RmsNormParams&, cudaStream_t);
-  void (*qk_norm_rope)(const QkNormRopeParams&, cudaStream_t);
-};
-
-// Read per call: two attribute queries on the host (no device work, allowed while a CUDA
-// graph is captured); cheap next to a kernel launch.
-NormLaunchers norm_launchers(const at::Device& device) {
-  int major = 0, minor = 0;
-  for (auto [attr, value] : {std::pair{cudaDevAttrComputeCapabilityMajor, &major},
-                             std::pair{cudaDevAttrComputeCapabilityMinor, &minor}}) {
-    const cudaError_t err = cudaDeviceGetAttribute(value, attr, device.index());
-    TORCH_CHECK(err == cudaSuccess, "dflash_ext: reading the compute capability failed: ", cudaGetErrorString(err));
-  }
-  TORCH_CHECK(major >= 8, "dflash_ext CUDA kernels need compute capability 8.0 or newer (Ampere+); ", device, " has ",
-              major, ".", minor);
-  switch (kernel_arch_for(major, minor, compiled_kernel_archs())) {
-#ifdef DFLASH_CUDA_ARCH_SM80
-    case KernelArch::kSm80: return {&sm80::rms_norm, &sm80::qk_norm_rope};
-#endif
-#ifdef DFLASH_CUDA_ARCH_SM90A
-    case KernelArch::kSm90a: return {&sm90a::rms_norm, &sm90a::qk_norm_rope};
-#endif
-#ifdef DFLASH_CUDA_ARCH_SM100
-    case KernelArch::kSm100: return {&sm100::rms_norm, &sm100::qk_norm_rope};
-#endif
-    default:
-      TORCH_CHECK(false, "dflash_ext was built without kernels for ", device, " (compute capability ", major, ".",
-                  minor, "): rebuild with DFLASH_CUDA_ARCHS including sm80 or this GPU's own set");
-  }
-}
-
-DType norm_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat ? DType::kFloat32 : t.scalar_type() == at::kBFloat16 ? DType::kBFloat16
-                                                                                           : DType::kFloat16;
+// Whether the kernels may move `period`-element runs of elements of `element_size` bytes in
+// 16-byte accesses: every run starts on a 16-byte boundary when every base pointer does
+// (torch's allocations do; a view at a storage offset may not) and the runs are whole vectors.
+// Pointers only: no tensor values are read.
+bool vector_accesses(std::initializer_list<const void*> pointers, std::initializer_list<int64_t> periods,
+                     int64_t element_size) {
+  for (const void* ptr : pointers)
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  for (const int64_t period : periods)
+    if (period * element_size % 16 != 0) return false;
+  return true;
 }
 
 // out (and sum, with a residual) in x's shape, contiguous.
@@ -76,8 +53,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_launch(const at::Tensor& x, const at
   p.rows = d.rows;
   p.H = static_cast<int>(d.H);
   p.eps = static_cast<float>(eps);
-  p.dtype = norm_dtype(x);
-  norm_launchers(x.device()).rms_norm(p, c10::cuda::getCurrentCUDAStream());
+  p.dtype = dtype_of(x);
+  p.vec = vector_accesses({p.x, p.residual, p.weight, p.sum, p.out}, {d.H}, x.element_size());
+  device_info(x.device()).launchers->rms_norm(p, c10::cuda::getCurrentCUDAStream());
   return {sum, out};
 }
 
@@ -119,8 +97,11 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cuda(const at::Tensor& qkv, cons
   p.Hkv = static_cast<int>(d.Hkv);
   p.D = static_cast<int>(d.D);
   p.eps = static_cast<float>(eps);
-  p.dtype = norm_dtype(qkv);
-  norm_launchers(qkv.device()).qk_norm_rope(p, c10::cuda::getCurrentCUDAStream());
+  p.dtype = dtype_of(qkv);
+  // rows ld apart, heads D apart, each half of a head (D / 2) a run
+  p.vec = vector_accesses({p.qkv, p.q_norm_weight, p.k_norm_weight, p.cos, p.sin, p.q, p.k}, {p.ld, d.D / 2},
+                          qkv.element_size());
+  device_info(qkv.device()).launchers->qk_norm_rope(p, c10::cuda::getCurrentCUDAStream());
   return {q, k};
 }
 

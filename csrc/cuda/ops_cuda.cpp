@@ -2,6 +2,8 @@
 // workspaces, and dispatch to the launchers of the device's architecture
 // (kernel_arch_for in plans.h): compute capability 9.0 -> sm_90a (wgmma), 10.x -> sm_100
 // (mma.sync), any other 8.x or newer -> sm_80 (mma.sync; its PTX is JIT-compiled above 8.x).
+// That choice (device_info) and the dtype mapping are declared in dispatch.h and serve
+// norms_cuda.cpp's ops too.
 // validate=true reads the index values on the host (one small copy, a sync) for clear
 // errors; validate=false reads nothing on the host, so a step can be captured in a CUDA
 // graph, and the kernels' index guards (params.h) keep every access in bounds.
@@ -15,56 +17,40 @@
 #include <vector>
 
 #include "dflash/checks.h"
+#include "dflash/cuda/dispatch.h"
 #include "dflash/cuda/params.h"
 #include "dflash/cuda/plans.h"
 
 namespace dflash::cuda {
-namespace {
-
-struct ArchLaunchers {
-  bool (*project_features_plan)(ProjectFeaturesParams&, const DeviceLimits&);
-  void (*project_features)(const ProjectFeaturesParams&, cudaStream_t);
-  bool (*inject_context_kv_plan)(InjectParams&, const DeviceLimits&);
-  void (*inject_context_kv)(const InjectParams&, cudaStream_t);
-  bool (*block_attention_plan)(BlockAttentionParams&, const DeviceLimits&);
-  void (*block_attention)(const BlockAttentionParams&, cudaStream_t);
-  void (*block_conv)(const BlockConvParams&, cudaStream_t);
-};
 
 #define DFLASH_ARCH_LAUNCHERS(arch)                                                            \
   ArchLaunchers{&arch::project_features_plan, &arch::project_features,                 \
                 &arch::inject_context_kv_plan, &arch::inject_context_kv,                      \
-                &arch::block_attention_plan, &arch::block_attention, &arch::block_conv}
+                &arch::block_attention_plan, &arch::block_attention, &arch::block_conv,       \
+                &arch::rms_norm, &arch::qk_norm_rope}
 
-struct DeviceInfo {
-  const ArchLaunchers* launchers;
-  DeviceLimits limits;
-};
-
-void check_cuda(cudaError_t err, const char* what) {
+static void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "dflash_ext: ", what, " failed: ", cudaGetErrorString(err));
 }
 
-// Architecture and limits of `device`, looked up once per device (returned by value: the
-// cache may grow while another thread uses an entry).
-// A kernel set not compiled in (DFLASH_CUDA_ARCHS) has no launchers to point to.
-#define DFLASH_NO_LAUNCHERS ArchLaunchers{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}
-
+// Looked up once per device and returned by value (the cache may grow while another thread
+// uses an entry). A kernel set not compiled in (DFLASH_CUDA_ARCHS) has no launchers to point
+// to; kernel_arch_for never picks it.
 DeviceInfo device_info(const at::Device& device) {
 #ifdef DFLASH_CUDA_ARCH_SM80
   static const ArchLaunchers sm80 = DFLASH_ARCH_LAUNCHERS(sm80);
 #else
-  static const ArchLaunchers sm80 = DFLASH_NO_LAUNCHERS;
+  static const ArchLaunchers sm80{};
 #endif
 #ifdef DFLASH_CUDA_ARCH_SM90A
   static const ArchLaunchers sm90a = DFLASH_ARCH_LAUNCHERS(sm90a);
 #else
-  static const ArchLaunchers sm90a = DFLASH_NO_LAUNCHERS;
+  static const ArchLaunchers sm90a{};
 #endif
 #ifdef DFLASH_CUDA_ARCH_SM100
   static const ArchLaunchers sm100 = DFLASH_ARCH_LAUNCHERS(sm100);
 #else
-  static const ArchLaunchers sm100 = DFLASH_NO_LAUNCHERS;
+  static const ArchLaunchers sm100{};
 #endif
   static std::mutex mutex;
   static std::vector<DeviceInfo> cache;
@@ -90,12 +76,6 @@ DeviceInfo device_info(const at::Device& device) {
   return info;
 }
 
-// The kernels index with 32-bit sizes.
-int32_t narrow(int64_t value, const char* what) {
-  TORCH_CHECK(value <= INT32_MAX, "dflash_ext CUDA kernels take ", what, " up to 2^31 - 1, got ", value);
-  return static_cast<int32_t>(value);
-}
-
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;
@@ -103,6 +83,14 @@ DType dtype_of(const at::Tensor& t) {
     case at::kHalf: return DType::kFloat16;
     default: TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
   }
+}
+
+namespace {
+
+// The kernels index with 32-bit sizes.
+int32_t narrow(int64_t value, const char* what) {
+  TORCH_CHECK(value <= INT32_MAX, "dflash_ext CUDA kernels take ", what, " up to 2^31 - 1, got ", value);
+  return static_cast<int32_t>(value);
 }
 
 // The cuBLAS path of project_features (project_features_path in plans.h: prefill-sized T,

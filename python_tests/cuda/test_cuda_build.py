@@ -1,8 +1,8 @@
 """The CUDA kernels as compiled, read without a GPU: every architecture file is in the
 extension, the sm_90a tensor-core kernels issue wgmma (HGMMA), the sm_80 / sm_100 ones
 mma.sync (HMMA), the weight-streaming GEMV kernels mma.sync on every architecture with
-16-byte weight loads that bypass L1, and ptxas reports no spills or local memory for any
-kernel.
+16-byte weight loads that bypass L1, the layer norms' 16-byte loads and stores, and ptxas
+reports no spills or local memory for any kernel.
 
 These tests run wherever the extension was built with CUDA (a CUDA build of torch and
 nvcc, as in CI); they skip on a CPU-only build. They check what was compiled, not what
@@ -169,6 +169,21 @@ def test_layer_norms_have_a_kernel_per_dtype_for_every_arch(sass, arch, kernel):
     _built(arch)
     kernels = _kernels(sass, ARCHES[arch], rf"{len(arch)}{arch}\d+{kernel}")
     assert len(kernels) == 3, f"{kernel} for {arch} (fp32, bf16, fp16): {sorted(kernels)}"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("kernel", ["rms_norm_kernel", "qk_norm_rope_kernel"])
+def test_layer_norms_move_rows_in_16_byte_accesses(sass, arch, kernel):
+    """Rows (rms_norm) and head halves (qk_norm_rope) that are whole 16-byte vectors at 16-byte
+    aligned addresses (the host's p.vec) are loaded and stored 16 bytes at a time: 8 bf16 /
+    fp16 or 4 fp32 elements per LDG.E.128 / STG.E.128 (the spelling on every arch built), in
+    every dtype's kernel; the element-wise path stays for other shapes and offsets."""
+    _built(arch)
+    kernels = _kernels(sass, ARCHES[arch], rf"{len(arch)}{arch}\d+{kernel}")
+    assert kernels
+    for name, body in kernels.items():
+        assert re.search(r"\bLDG\.E[.\w]*\.128\b", body), f"{name} ({arch}) has no 16-byte global load"
+        assert re.search(r"\bSTG\.E[.\w]*\.128\b", body), f"{name} ({arch}) has no 16-byte global store"
 
 
 def test_sm80_file_embeds_ptx_for_newer_gpus():

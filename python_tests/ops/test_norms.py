@@ -109,6 +109,40 @@ def test_qk_norm_rope_reads_rows_at_their_stride(dtype, device):
     assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
+def at_offset(t, offset):
+    """A contiguous copy of `t` that starts `offset` elements into its storage (for offset > 0
+    not 16-byte aligned: the CUDA kernels take their element-wise path for it)."""
+    view = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)[offset:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.storage_offset() == offset
+    return view
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shifted", ["x", "residual", "weight", "all"])
+def test_rms_norm_views_at_a_storage_offset(shifted, dtype, device):
+    """Any one operand off the 16-byte grid (the rest aligned, H a whole number of vectors)
+    reads and writes as the aligned operands do."""
+    x, residual, weight = make_norm_inputs((5, 64), dtype=dtype, device=device, seed=15)
+    args = {"x": x, "residual": residual, "weight": weight}
+    args = {k: at_offset(v, 1) if shifted in (k, "all") else v for k, v in args.items()}
+    s, _ = check_rms_norm(args["x"], args["residual"], args["weight"])
+    assert torch.equal(s, check_rms_norm(x, residual, weight)[0])  # one rounding of x + residual either way
+    check_rms_norm(args["x"], None, args["weight"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shifted", ["qkv", "q_norm_weight", "cos", "all"])
+def test_qk_norm_rope_views_at_a_storage_offset(shifted, dtype, device):
+    """qkv, a norm weight or cos off the 16-byte grid (D = 64: whole vectors otherwise)."""
+    qkv, qw, kw, cos, sin = make_qkv_inputs(4, 4, 2, 64, dtype=dtype, device=device, seed=16)
+    args = {"qkv": qkv, "q_norm_weight": qw, "k_norm_weight": kw, "cos": cos, "sin": sin}
+    args = {k: at_offset(v, 1) if shifted in (k, "all") else v for k, v in args.items()}
+    check_qk(*args.values(), 4, 2)
+
+
 def test_qk_norm_rope_is_the_decoder_layers_math():
     """The op equals what DecoderLayer.forward does to q and k: q_norm / k_norm modules, then
     reference.apply_rope with cos/sin broadcast over the heads (fp32)."""

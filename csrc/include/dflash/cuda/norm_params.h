@@ -1,7 +1,7 @@
 // Parameter blocks and per-architecture launchers of the draft layer's norms (rms_norm,
 // add_rms_norm, qk_norm_rope): the host side is csrc/cuda/norms_cuda.cpp, the kernels
-// dflash/cuda/norms.cuh compiled by csrc/cuda/norms_<arch>.cu. Kept beside params.h (not in
-// it) so these ops add files rather than edit the shared ones.
+// dflash/cuda/norms.cuh compiled by csrc/cuda/norms_<arch>.cu; the launchers are chosen per
+// device with every other op's (ArchLaunchers, device_info in dispatch.h).
 #pragma once
 #include <cstdint>
 
@@ -23,6 +23,7 @@ struct RmsNormParams {
   int H;
   float eps;
   DType dtype;
+  bool vec;  // 16-byte accesses: H a multiple of 16 / element size, every pointer 16-byte aligned
 };
 
 // qk_norm_rope: q [M, Hq, D], k [M, Hkv, D] from qkv rows (stride ld elements, heads contiguous).
@@ -38,6 +39,7 @@ struct QkNormRopeParams {
   int Hq, Hkv, D;
   float eps;
   DType dtype;
+  bool vec;  // 16-byte accesses: D / 2 and ld multiples of 16 / element size, every pointer 16-byte aligned
 };
 
 #define DFLASH_DECLARE_NORM_LAUNCHERS(arch)                                  \
