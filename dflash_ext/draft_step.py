@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from . import ops, reference
 from .draft_cache import DraftCache
-from .target import streamed_linear
 
 
 class DraftStep:
@@ -155,21 +154,21 @@ class DraftStep:
         if conv is not None:
             deltas = conv.deltas(h)
             h = conv(h, deltas, 0, ops.block_conv)
-        qkv = streamed_linear(h.view(-1, shape[-1]), qkv_weight)  # [M, (Hq + 2 Hkv) * D]
+        qkv = ops.streamed_linear(h.view(-1, shape[-1]), qkv_weight)  # [M, (Hq + 2 Hkv) * D]
         q, k = ops.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, cos, sin, Hq, Hkv, a.q_norm.eps)
         lead = shape[:-1]
         v = qkv[:, (Hq + Hkv) * D:].view(*lead, Hkv, D)
         attended = attend(q.view(*lead, Hq, D), k.view(*lead, Hkv, D), v)
-        y = streamed_linear(attended.view(-1, Hq * D), a.o_proj.weight)
+        y = ops.streamed_linear(attended.view(-1, Hq * D), a.o_proj.weight)
         y = y.view(shape) if conv is None else conv(y.view(shape), deltas, 1, ops.block_conv)
         norm = layer.post_attention_layernorm
         x, h = ops.rms_norm(y, norm.weight, norm.eps, residual=x)
         if mlp_conv is not None:
             deltas = mlp_conv.deltas(h)
             h = mlp_conv(h, deltas, 0, ops.block_conv)
-        gate_up = streamed_linear(h.view(-1, shape[-1]), gate_up_weight)
+        gate_up = ops.streamed_linear(h.view(-1, shape[-1]), gate_up_weight)
         inter = gate_up.shape[-1] // 2
-        out = streamed_linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight)
+        out = ops.streamed_linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight)
         out = out.view(shape)
         return x, out if mlp_conv is None else mlp_conv(out, deltas, 1, ops.block_conv)
 

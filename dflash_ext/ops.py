@@ -12,6 +12,9 @@ functions, differentiable.
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+
+from .hardware import skinny_linear_streams
 
 __all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv", "rms_norm",
            "qk_norm_rope"]
@@ -118,6 +121,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return _ops.skinny_linear(x, weight, bias)
     out = _ops.skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through :func:`skinny_linear` where its streaming kernel runs
+    (one pass over the weight: on the CPUs measured the library's GEMM costs about twice its
+    one-row GEMV at 2..8 rows, and its GEMV runs below the memory bandwidth on some:
+    bench/results/history/notebook-2026.md §6); many rows (a prefill), other devices and a
+    call that wants gradients (the op has no backward: training keeps working) stay on F.linear."""
+    if skinny_linear_streams(x, weight) and not wants_grad(x, weight, bias):
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -14,15 +14,14 @@ import inspect
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .hardware import skinny_linear_streams
+from .ops import streamed_linear
 from .rollback import CacheRollback, crop_cache, drop_tail
 
 __all__ = ["TargetRunner", "CacheRollback", "crop_cache", "cache_kwarg", "returned_cache", "linear_rows",
-           "streamed_linear", "streamed_linears", "static_cache", "compiled_call"]
+           "streamed_linears", "static_cache", "compiled_call"]
 
 
 def cache_kwarg(model) -> str:
@@ -130,19 +129,8 @@ def _can_select_hidden_states() -> bool:
 _CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
 
 
-def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through ops.skinny_linear where its streaming kernel runs
-    (one pass over the weight: on the CPUs measured the library's GEMM costs about twice its
-    one-row GEMV at 2..8 rows, and its GEMV runs below the memory bandwidth on some:
-    bench/results/history/notebook-2026.md §6); many rows (a prefill), other devices and a
-    call that wants gradients (the op has no backward: training keeps working) stay on F.linear."""
-    if skinny_linear_streams(x, weight) and not ops.wants_grad(x, weight, bias):
-        return ops.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def linear_rows(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` as :func:`streamed_linear`."""
+    """`layer(x)` as :func:`~dflash_ext.ops.streamed_linear`."""
     return streamed_linear(x, layer.weight, layer.bias)
 
 
