@@ -66,7 +66,7 @@ def parse_args(argv=None):
 
 
 def build_target(family, args):
-    from dflash_ext.testing_targets import tiny_family_target
+    from dflash_ext.testing.targets import tiny_family_target
 
     return tiny_family_target(family, num_hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden,
                               sliding_window=args.window, full_attention_interval=args.full_every,
@@ -81,7 +81,9 @@ def _median(xs):
 def measure_family(family, args):
     from transformers.cache_utils import DynamicLayer
 
-    from dflash_ext.target import CacheRollback, TargetRunner, streamed_linears
+    from dflash_ext import streamed_linears
+    from dflash_ext.decode.rollback import CacheRollback
+    from dflash_ext.decode.runner import TargetRunner
 
     target = build_target(family, args)
     runner = TargetRunner(target)

@@ -40,7 +40,9 @@ import torch
 
 from bench import _common
 from bench._common import DTYPES, OUT_DIR, format_table
-from dflash_ext.target import TargetRunner, crop_cache, streamed_linears
+from dflash_ext import streamed_linears
+from dflash_ext.decode.rollback import crop_cache
+from dflash_ext.decode.runner import TargetRunner
 
 ROWWISE_ATTENTION = "rowwise_sdpa"  # no "flash" in the name: transformers would look for a flash-attention kernel
 
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     if min(args.sizes) < 2:
         sys.exit("verify_numerics.py: --sizes must be >= 2 (B = 1 is one-token decoding)")
     device, _ = _common.start(args, op_names=(), prog="verify_numerics.py")
-    from dflash_ext.models import load_target
+    from dflash_ext import load_target
     from dflash_ext.prompts import load_prompts
 
     n_prompts = args.n or (1 if args.quick else 4)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dflash_ext._cpu_check import require_cpu_features
+from dflash_ext.ops.hardware import require_cpu_features
 from python_tests.helpers import ROOT, load_setup_module
 
 

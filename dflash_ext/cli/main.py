@@ -141,7 +141,7 @@ def main(argv=None):
                 "export": cmd_export, "info": cmd_info}
     try:
         if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
-            from .. import hardware
+            from ..ops import hardware
 
             hardware.keep_freed_memory()
         commands[args.command](args)

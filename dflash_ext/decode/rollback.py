@@ -13,7 +13,7 @@ the next pass takes its positions from that length (the models' forward: `positi
 `cache.get_seq_length()` + arange), writes its keys and values over those rows
 (`index_copy_` at the same positions) before attending, and the causal mask of a static
 layer (`get_mask_sizes`: every `max_cache_len` row, masked past each query's position)
-hides the rows beyond. python_tests/decoding/test_static_cache.py checks the result equals
+hides the rows beyond. python_tests/decode/test_static_cache.py checks the result equals
 the target's own greedy decoding.
 """
 from typing import Optional

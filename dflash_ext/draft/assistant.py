@@ -1,6 +1,6 @@
-"""DFlash inside Hugging Face ``generate``: ``DFlashDrafter.as_assistant()`` returns an
-object that ``target.generate(ids, assistant_model=..., speculation_type="dflash")``
-drives through transformers' own ``DFlashTokenCandidateGenerator``.
+"""DFlash inside Hugging Face ``generate``: :class:`DFlashAssistant` is an object that
+``target.generate(ids, assistant_model=DFlashAssistant(drafter, target),
+speculation_type="dflash")`` drives through transformers' own ``DFlashTokenCandidateGenerator``.
 
 How transformers calls it (read from ``transformers/generation/candidate_generator.py``,
 5.x): every round it passes the target's hidden states of the tokens accepted since the
@@ -10,11 +10,11 @@ covering both (the n context positions, then the B block positions). It keeps it
 ``DFlashCache``, into which a transformers assistant writes the context K/V and the block,
 and from which it crops the block again before the next round.
 
-This adapter keeps the context in our :class:`~dflash_ext.drafter.DraftCache` instead,
-with the same semantics: the n context rows are injected once (``add_context``, the fused
-ops), the block is drafted against them (``draft_hidden``) and never stored, so the crop
-transformers applies to its own cache has nothing to undo here. A call whose context
-starts at position 0 is a new generation and starts a new cache. It needs no weights but
+This adapter keeps the context in a :class:`~.runtime.DraftRuntime`'s cache instead, with
+the same semantics: the n context rows are injected once (``add_context``, the fused ops), the
+block is drafted against them (``draft_hidden``) and never stored, so the crop transformers
+applies to its own cache has nothing to undo here. A call whose context starts at position 0
+is a new generation and starts a new runtime. It needs no weights but
 the drafter's: embeddings and LM head are the target's, as transformers passes them.
 
 A DFlash2 drafter cannot be an assistant: transformers applies the LM head to the hidden
@@ -27,6 +27,8 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+
+from .runtime import DraftRuntime
 
 __all__ = ["DFlashAssistant", "SUPPORTED_TRANSFORMERS"]
 
@@ -50,12 +52,16 @@ def _check_transformers() -> None:
 
 
 class DFlashAssistant:
-    """``assistant_model`` for ``generate(..., speculation_type="dflash")``, drafting with a
-    :class:`~dflash_ext.drafter.DFlashDrafter` and the fused ops."""
+    """``assistant_model`` for ``generate(..., speculation_type="dflash")`` (transformers 5.x),
+    drafting with a :class:`~dflash_ext.model.drafter.DFlashDrafter` and the fused ops
+    (`fused`; `draft_window` caps every layer's window). With `target`, the drafter's fit is
+    checked now."""
 
-    def __init__(self, drafter, fused: bool = True, draft_window: Optional[int] = None):
+    def __init__(self, drafter, target=None, fused: bool = True, draft_window: Optional[int] = None):
+        if target is not None:
+            drafter.check_fits(target.config)
         if drafter.config.is_dflash2:
-            raise NotImplementedError("as_assistant does not support DFlash2 drafters (DFlash2DraftModel): "
+            raise NotImplementedError("DFlashAssistant does not support DFlash2 drafters (DFlash2DraftModel): "
                                       "transformers' DFlash generate drafts the LM head's argmax over the returned "
                                       "hidden states, not the DFlash2 candidate selector's path; use "
                                       "dflash_ext.spec_generate")
@@ -69,7 +75,7 @@ class DFlashAssistant:
         self.config.target_layer_ids = list(c.target_layer_ids)
         self.config.block_size = c.block_size
         self.config.mask_token_id = c.mask_token_id
-        self.cache = None
+        self.runtime = None
         self.calls = 0
         # Tokens the target emitted per verify step, as seen from here: each round's context
         # is the tokens accepted in the previous one (accepted drafts + the target's token).
@@ -88,12 +94,13 @@ class DFlashAssistant:
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
 
-    def _context_cache(self):
-        """Our context cache: a new one per generation, growing as the context does
-        (:class:`~dflash_ext.drafter.DraftCache`; transformers bounds the generation)."""
-        if self.cache is None:
-            self.cache = self.drafter.new_cache(1, _FIRST_CAPACITY, self.draft_window, max_capacity=sys.maxsize)
-        return self.cache
+    def _runtime(self) -> DraftRuntime:
+        """The runtime of this generation: a new one per generation, its cache growing as the
+        context does (transformers bounds the generation)."""
+        if self.runtime is None:
+            self.runtime = DraftRuntime(self.drafter, _FIRST_CAPACITY, max_capacity=sys.maxsize,
+                                        draft_window=self.draft_window, fused=self.fused)
+        return self.runtime
 
     @torch.no_grad()
     def __call__(self, noise_embeds: torch.Tensor, context_hidden_states: torch.Tensor,
@@ -111,14 +118,13 @@ class DFlashAssistant:
                              f"{len(c.target_layer_ids)} target layers of {c.hidden_size}")
         positions = position_ids[0].to(self.device)
         if n and int(positions[0]) == 0:  # a new generation: its prefill starts at position 0
-            self.cache, self.acceptance_lengths = None, []
+            self.runtime, self.acceptance_lengths = None, []
         else:
             self.acceptance_lengths.append(n)
-        cache = self._context_cache()
+        runtime = self._runtime()
         if n:
             feats = context_hidden_states[0].to(self.device, self.dtype).split(c.hidden_size, -1)
-            self.drafter.add_context(cache, 0, list(feats), positions[:n], fused=self.fused)
-        hidden = self.drafter.draft_hidden(cache, noise_embeds.to(self.device, self.dtype), positions[None, n:],
-                                           fused=self.fused)
+            runtime.add_context(0, list(feats), positions[:n])
+        hidden = runtime.draft_hidden(noise_embeds.to(self.device, self.dtype), positions[None, n:])
         self.calls += 1
         return SimpleNamespace(last_hidden_state=hidden)

@@ -4,7 +4,7 @@ from typing import List, Optional
 
 import torch
 
-from .config import DFlashConfig
+from ..model.config import DFlashConfig
 
 
 def effective_windows(config: DFlashConfig, draft_window: Optional[int] = None) -> List[int]:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
 
 from .config_fields import (DFLASH2_ARCHITECTURE, DFLASH2_FIELDS, LAYER_TYPES, SUPPORTED_ROPE_TYPES,
-                            _DFLASH2_LOGIT_FIELDS, _DFLASH2_RULES, _FIELD_RULES, _QWEN3_KEYS, _check_field,
-                            _check_json_fields, _explicit_causal, _reject_unsupported)
+                            DFLASH2_LOGIT_FIELDS, DFLASH2_RULES, FIELD_RULES, QWEN3_KEYS, check_field,
+                            check_json_fields, explicit_causal, reject_unsupported)
 
 __all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "target_text_config",
            "SUPPORTED_ROPE_TYPES", "DFLASH2_ARCHITECTURE", "DFLASH2_FIELDS"]
@@ -81,10 +81,10 @@ class DFlashConfig:
     final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
-        for f in fields(self):  # each value's type and range (_FIELD_RULES); None where it is the default
+        for f in fields(self):  # each value's type and range (FIELD_RULES); None where it is the default
             value = getattr(self, f.name)
-            if f.name in _FIELD_RULES and not (value is None and f.default is None):
-                _check_field(f.name, value, _FIELD_RULES[f.name])
+            if f.name in FIELD_RULES and not (value is None and f.default is None):
+                check_field(f.name, value, FIELD_RULES[f.name])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -111,7 +111,7 @@ class DFlashConfig:
                              f"{self.num_hidden_layers} layers, got {self.layer_types}")
         hf = self.hf_config()  # validates the rope parameters as transformers does
         self.rope_parameters = dict(hf.rope_parameters)
-        _check_field("rope_theta", self.rope_parameters.get("rope_theta"), _FIELD_RULES["rope_theta"])
+        check_field("rope_theta", self.rope_parameters.get("rope_theta"), FIELD_RULES["rope_theta"])
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
@@ -130,8 +130,8 @@ class DFlashConfig:
                 raise ValueError("output_multiplier and final_logit_softcapping are DFlash2 fields "
                                  f"({DFLASH2_ARCHITECTURE}); a DFlash drafter keeps 1 and None")
             return
-        for key, rule in _DFLASH2_RULES.items():
-            _check_field(f"dflash_config.{key}", getattr(self, key), rule)
+        for key, rule in DFLASH2_RULES.items():
+            check_field(f"dflash_config.{key}", getattr(self, key), rule)
         if self.hidden_size % self.conv_group_size:
             raise ValueError(f"dflash_config.conv_group_size={self.conv_group_size} must divide "
                              f"hidden_size={self.hidden_size}")
@@ -268,23 +268,23 @@ class DFlashConfig:
         if type(dflash) is not dict:
             raise ValueError(f"dflash_config must be a JSON object, got {dflash!r}")
         dflash2 = d.get("architectures") == [DFLASH2_ARCHITECTURE]
-        _reject_unsupported(d, dflash, dflash2)
+        reject_unsupported(d, dflash, dflash2)
         for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
                     "num_target_layers"):
             need(d, key)
         need(dflash, "mask_token_id", "dflash_config.")
-        _check_json_fields(d, dflash, {**_FIELD_RULES, **_DFLASH2_RULES} if dflash2 else _FIELD_RULES)
+        check_json_fields(d, dflash, {**FIELD_RULES, **DFLASH2_RULES} if dflash2 else FIELD_RULES)
         v2 = {}
         if dflash2:  # in dflash_config or at the top level (the authors' code reads both)
             for key in DFLASH2_FIELDS:
                 v2[key] = _in_either_place(d, dflash, key) if key in dflash or key in d \
                     else need(d, key, "dflash_config.")
-            for key in _DFLASH2_LOGIT_FIELDS:
+            for key in DFLASH2_LOGIT_FIELDS:
                 if key in dflash or key in d:
                     v2[key] = _in_either_place(d, dflash, key)
             if v2.get("output_multiplier") is None:
                 v2["output_multiplier"] = 1.0
-        qwen3 = {k: d[k] for k in _QWEN3_KEYS if k in d}
+        qwen3 = {k: d[k] for k in QWEN3_KEYS if k in d}
         if "rms_norm_eps" in qwen3:
             qwen3["rms_norm_eps"] = float(qwen3["rms_norm_eps"])  # transformers' field takes a float only
         hf = _qwen3_config(**qwen3)
@@ -302,7 +302,7 @@ class DFlashConfig:
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
-            layer_types=list(hf.layer_types), causal=_explicit_causal(d, dflash), **v2,
+            layer_types=list(hf.layer_types), causal=explicit_causal(d, dflash), **v2,
         )
 
     @classmethod

@@ -1,15 +1,15 @@
 """The config-field rules of the reference format's ``config.json``: what each key does here
 (honoured, inert, fixed at a value, DFlash2's), each value's own type and range
-(:data:`_FIELD_RULES`, checked as written by :func:`_check_json_fields`), and which fields are
+(:data:`FIELD_RULES`, checked as written by :func:`check_json_fields`), and which fields are
 rejected because they change the drafted function and are not implemented
-(:func:`_reject_unsupported`). :class:`dflash_ext.config.DFlashConfig` applies them."""
+(:func:`reject_unsupported`). :class:`dflash_ext.config.DFlashConfig` applies them."""
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
 
 # What each config.json key of the reference format does here. A key outside these lists
 # changes the drafted function in some implementation and is rejected at load.
-_QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
                "rope_scaling", "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers",
                "layer_types")
@@ -37,7 +37,7 @@ _DFLASH_INNER_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "draft_
 # fields are DFlash2's only (a v1 drafter keeps them at their neutral values, _FIXED_VALUES).
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-_DFLASH2_LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
+DFLASH2_LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
 # Where a checkpoint says that every layer is causal (true) or bidirectional (false), first
 # found wins: top-level is_causal (the authors' model.py, SGLang, vLLM), dflash_config.is_causal
 # (some checkpoints; vLLM ports), dflash_config.causal (vLLM `_dflash_layer_causal`).
@@ -63,7 +63,7 @@ _NUMBER = (int, float)  # a float field takes an int too (rope_theta 10000)
 _POSITIVE_INT = _Rule(_INT, lambda v: v > 0, "an int > 0")
 # Each value's own type and range, by its config.json name (the DFlash ones also inside
 # dflash_config); the ranges that involve other fields are DFlashConfig.__post_init__'s.
-_FIELD_RULES = {
+FIELD_RULES = {
     **{k: _POSITIVE_INT for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                   "head_dim", "intermediate_size", "vocab_size", "num_target_layers",
                                   "max_position_embeddings")},
@@ -80,8 +80,8 @@ _FIELD_RULES = {
                          f"a list of {' or '.join(LAYER_TYPES)}"),
     **{k: _Rule((bool, type(None)), lambda v: True, "true, false or None (null)") for k in ("is_causal", "causal")},
 }
-# DFlash2's fields: checked in a DFlash2 config only (a v1 config rejects them before, _reject_unsupported).
-_DFLASH2_RULES = {
+# DFlash2's fields: checked in a DFlash2 config only (a v1 config rejects them before, reject_unsupported).
+DFLASH2_RULES = {
     **{k: _POSITIVE_INT for k in DFLASH2_FIELDS},
     "output_multiplier": _Rule(_NUMBER, _finite_positive, "a finite number > 0"),
     "final_logit_softcapping": _Rule(_NUMBER + (type(None),), lambda v: v is None or _finite_positive(v),
@@ -89,29 +89,29 @@ _DFLASH2_RULES = {
 }
 
 
-def _check_field(label: str, value, rule: "_Rule") -> None:
+def check_field(label: str, value, rule: "_Rule") -> None:
     """Raise naming `label` when `value` breaks `rule`."""
     if type(value) not in rule.types or not rule.ok(value):
         raise ValueError(f"{label} must be {rule.need}, got {value!r}")
 
 
-def _check_json_fields(d: dict, dflash: dict, rules: dict = _FIELD_RULES) -> None:
+def check_json_fields(d: dict, dflash: dict, rules: dict = FIELD_RULES) -> None:
     """Every value of config.json (and its dflash_config) that has a rule, checked as written,
     before anything converts it."""
     for prefix, src in (("", d), ("dflash_config.", dflash)):
         for key, value in src.items():
             if key in rules:
-                _check_field(prefix + key, value, rules[key])
+                check_field(prefix + key, value, rules[key])
 
 
-def _reject_unsupported(d: dict, dflash: dict, dflash2: bool = False) -> None:
+def reject_unsupported(d: dict, dflash: dict, dflash2: bool = False) -> None:
     """A config field that changes the drafted function and is not implemented here is an
     error at load, never silently ignored. `dflash2`: a DFlash2 config, which also has
-    DFLASH2_FIELDS and free logit transform fields (_DFLASH2_RULES checks them)."""
+    DFLASH2_FIELDS and free logit transform fields (DFLASH2_RULES checks them)."""
     problems = []
-    fixed = {k: v for k, v in _FIXED_VALUES.items() if not (dflash2 and k in _DFLASH2_LOGIT_FIELDS)}
+    fixed = {k: v for k, v in _FIXED_VALUES.items() if not (dflash2 and k in DFLASH2_LOGIT_FIELDS)}
     v2_keys = set(DFLASH2_FIELDS) if dflash2 else set()
-    known = set(_QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES) | v2_keys
+    known = set(QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES) | v2_keys
     unknown = sorted(k for k in d if k not in known)
     if unknown:
         problems.append(f"unsupported fields {unknown}")
@@ -127,10 +127,10 @@ def _reject_unsupported(d: dict, dflash: dict, dflash2: bool = False) -> None:
                          + " (README, 'Checkpoints': what is supported)")
 
 
-def _explicit_causal(d: dict, dflash: dict) -> Optional[bool]:
+def explicit_causal(d: dict, dflash: dict) -> Optional[bool]:
     """The checkpoint's causality override for every layer (None: by layer type)."""
     for key, inner in _CAUSAL_FIELDS:
-        value = (dflash if inner else d).get(key)  # a bool or None (_check_json_fields)
+        value = (dflash if inner else d).get(key)  # a bool or None (check_json_fields)
         if value is not None:
             return value
     return None

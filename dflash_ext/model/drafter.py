@@ -1,19 +1,18 @@
-"""The DFlash drafter: N Qwen3-style decoder layers whose attention sees the target's
-projected hidden states as a per-layer context KV cache, followed by the block; each layer
-bidirectional or causal by :attr:`~dflash_ext.config.DFlashConfig.layer_causal`.
+"""The DFlash drafter as a plain ``nn.Module``: N Qwen3-style decoder layers whose attention
+sees the target's projected hidden states as a context, followed by the block; each layer
+bidirectional or causal by :attr:`~dflash_ext.model.config.DFlashConfig.layer_causal`.
 
-Here: DFlashDrafter (building, loading, saving, the draft vocabulary, DFlash2 conversion,
-the context cache it makes). Its parts live in their own rooms: the layers
-(:mod:`dflash_ext.drafter_layers`), the context cache (:class:`DraftCache`,
-:mod:`dflash_ext.draft_cache`), the masks (:mod:`dflash_ext.drafter_masks`), the draft step
-over the fused ops (inference, :mod:`dflash_ext.draft_step`) and the differentiable forward
-over many blocks (training, :mod:`dflash_ext.drafter_training`); every name stays importable
-from here. The config is :mod:`dflash_ext.config`; checkpoint files are :mod:`dflash_ext.checkpoint`.
+Here: its weights (building, loading, saving, the draft vocabulary, DFlash2 conversion, new
+layers) and the differentiable forward over many blocks of a sequence (training). Drafting
+at inference is :class:`~dflash_ext.draft.runtime.DraftRuntime`'s, which reads these
+parameters and keeps no state here. Its parts: the layers (:mod:`.layers`), the masks
+(:mod:`.masks`), the config (:mod:`.config`), the checkpoint files (:mod:`.checkpoint`).
 
 DFlash2 (``config.is_dflash2``) adds to each layer a block convolution on both sides of its
-attention and its MLP (:class:`BlockConv`) and, after the LM head, a candidate selector that
-re-ranks each slot's top-K tokens along a path from the anchor (:class:`CandidateSelector`);
-:meth:`DFlashDrafter.dflash2_from` starts one from a v1 drafter, drafting as it does.
+attention and its MLP (:class:`~.layers.BlockConv`) and, after the LM head, a candidate
+selector that re-ranks each slot's top-K tokens along a path from the anchor
+(:class:`~.layers.CandidateSelector`); :meth:`DFlashDrafter.dflash2_from` starts one from a v1
+drafter, drafting as it does.
 """
 import copy
 import os
@@ -22,20 +21,21 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ..ops import reference
 from .checkpoint import DRAFT_VOCAB_NAME, read_checkpoint, torch_dtype, write_checkpoint
 from .config import DFlashConfig, target_text_config
-from .draft_cache import CACHE_ROW_ALIGN, DraftCache, effective_windows  # noqa: F401 (re-exported)
-from .draft_step import DraftStep
-from .drafter_layers import (MLP, Attention, BlockConv, CandidateSelector, DecoderLayer,  # noqa: F401 (re-exported)
-                             RMSNorm, _init_weights)
-from .drafter_masks import block_mask, context_mask, windowed_bidirectional_attention  # noqa: F401 (re-exported)
-from .drafter_training import TrainingForward
+from .layers import CandidateSelector, DecoderLayer, RMSNorm, init_weights, rope_tables
+from .masks import block_mask, context_mask
 
-__all__ = ["DFlashDrafter", "DFlashConfig", "DraftCache", "BlockConv", "CandidateSelector", "effective_windows",
-           "context_mask", "block_mask", "windowed_bidirectional_attention"]
+__all__ = ["DFlashDrafter"]
 
 
-class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
+class DFlashDrafter(nn.Module):
+    """The drafter's weights (``layers``, ``fc``, ``hidden_norm``, ``norm``; DFlash2's
+    ``candidate_selector``), its ``config``, the optional ``draft_vocab`` (sorted target token
+    ids the LM head is restricted to) and ``acceptance_profile`` (the held-out accepted-prefix
+    profile training writes), and the training forward."""
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
@@ -46,10 +46,6 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.is_dflash2:
             self.candidate_selector = CandidateSelector(c)
-        self._stacked = None
-        self._layer_weights = None
-        self._rope = None
-        self._vocab_head = None
         self.acceptance_profile: Optional[List[float]] = None
         self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU): checkpoint.DRAFT_VOCAB_NAME
 
@@ -59,13 +55,13 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
                     mask_token_id: Optional[int] = None, target_layer_ids: Optional[Sequence[int]] = None,
                     seed: Optional[int] = 0, tokenizer=None, **overrides) -> "DFlashDrafter":
         """A fresh, randomly initialised drafter that fits a Hugging Face target config
-        (:meth:`DFlashConfig.for_target`; `tokenizer`, when given, picks the mask token)."""
+        (:meth:`~.config.DFlashConfig.for_target`; `tokenizer`, when given, picks the mask token)."""
         config = DFlashConfig.for_target(target_config, num_layers, block_size, mask_token_id, target_layer_ids,
                                          tokenizer, **overrides)
         if seed is not None:
             torch.manual_seed(seed)
         drafter = cls(config)
-        drafter.apply(_init_weights)
+        drafter.apply(init_weights)
         return drafter
 
     @classmethod
@@ -98,7 +94,7 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
     def from_pretrained(cls, path: str, device=None, dtype=None, cache_dir: Optional[str] = None,
                         local_files_only: Optional[bool] = None, revision: Optional[str] = None) -> "DFlashDrafter":
         """Load a reference-format checkpoint from a local folder or a Hugging Face repo id
-        (:func:`~dflash_ext.checkpoint.read_checkpoint`). `dtype` is a torch dtype, its
+        (:func:`~.checkpoint.read_checkpoint`). `dtype` is a torch dtype, its
         name, or "auto"/None (the checkpoint's dtype); `device` as in ``.to()``."""
         ckpt = read_checkpoint(path, cache_dir, local_files_only, revision)
         drafter = cls(ckpt.config)
@@ -133,7 +129,7 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
     def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
                         extra_files=None) -> None:
         """Write the reference format; `dtype` (e.g. torch.bfloat16) converts the weights. The
-        folder is replaced as a whole, atomically (:func:`~dflash_ext.checkpoint.write_checkpoint`:
+        folder is replaced as a whole, atomically (:func:`~.checkpoint.write_checkpoint`:
         `extra_files` go into it too); a `path` holding anything but a drafter checkpoint is
         refused unless `overwrite`."""
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
@@ -171,20 +167,10 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
         p = self.fc.weight
         for _ in range(n):
             layer = DecoderLayer(c)
-            layer.apply(_init_weights)
+            layer.apply(init_weights)
             nn.init.zeros_(layer.self_attn.o_proj.weight)
             nn.init.zeros_(layer.mlp.down_proj.weight)
             self.layers.append(layer.to(device=p.device, dtype=p.dtype))
-
-    def as_assistant(self, target=None, fused: bool = True, draft_window: Optional[int] = None):
-        """An ``assistant_model`` for ``target.generate(..., assistant_model=...,
-        speculation_type="dflash")`` (transformers 5.x), drafting with this drafter and the
-        fused ops (:mod:`dflash_ext.hf_assistant`). With `target`, the fit is checked now."""
-        from .hf_assistant import DFlashAssistant
-
-        if target is not None:
-            self.check_fits(target.config)
-        return DFlashAssistant(self, fused=fused, draft_window=draft_window)
 
     def check_fits(self, target_config) -> None:
         """Raise a clear error when this drafter was not built for `target_config` (a model
@@ -203,23 +189,55 @@ class DFlashDrafter(DraftStep, TrainingForward, nn.Module):
         if problems:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
-    # ------------------------------------------------------------------ state for the ops
-    def new_cache(self, batch_size: int, capacity: int, draft_window: Optional[int] = None,
-                  max_capacity: Optional[int] = None) -> DraftCache:
-        """A context cache of `capacity` rows per sequence, growing up to `max_capacity`
-        (None: fixed; :class:`DraftCache`)."""
-        p = self.fc.weight
-        return DraftCache(self.config, batch_size, capacity, p.device, p.dtype, draft_window, max_capacity)
+    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Differentiable forward of all blocks of one sequence at once (training).
 
-    def draft_vocab_head(self, lm_head: nn.Module):
-        """(token ids, weight rows, bias rows or None) of the draft vocabulary in the target's
-        LM head, on its device and dtype; gathered once and cached until the head changes."""
-        w = lm_head.weight
-        bias = getattr(lm_head, "bias", None)
-        key = (w.data_ptr(), w._version, w.device, w.dtype, None if bias is None else (bias.data_ptr(), bias._version))
-        if self._vocab_head is None or self._vocab_head[0] != key \
-                or self._vocab_head[1] is not self.draft_vocab:
-            ids = self.draft_vocab.to(w.device)
-            self._vocab_head = (key, self.draft_vocab, ids, w.detach()[ids].contiguous(),
-                                None if bias is None else bias.detach()[ids])
-        return self._vocab_head[2:]
+        features [S, k*H]: the target features of the sequence's S tokens (k layers
+        concatenated); block_embeds [nb, B, H]: target embeddings of [anchor token, MASK...];
+        anchors [nb]: block positions. Block a attends to the context rows at positions
+        < anchors[a] and to its own B rows, exactly what the block drafted at anchors[a]
+        sees at inference, through the same per-layer masks (:func:`context_mask`,
+        :func:`block_mask`). The scores against the context, shared by all blocks, and
+        against each block's own rows are one softmax ([nb, B, S + B] per head) without
+        copying the context keys per block, so the cost grows linearly with the number of
+        anchors. Returns final-normed hidden [nb, B, H].
+        """
+        c = self.config
+        S = features.shape[0]
+        nb, B, H = block_embeds.shape
+        D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        group, scale = Hq // Hkv, D ** -0.5
+        cos, sin = rope_tables(c, S + B, self.fc.weight.device, self.fc.weight.dtype)
+        ctx = self.hidden_norm(self.fc(features))
+        cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
+        pos = anchors[:, None] + torch.arange(B, device=anchors.device)  # [nb, B]
+        cos_b, sin_b = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
+        kinds = list(zip(c.layer_windows, c.layer_causal))
+        # the keys each query may not see, per (window, causal): context [nb, 1 or B, S], own block [B, B] (None: all)
+        hidden_keys = {}
+        for w, causal in set(kinds):
+            symmetric = w > 0 and not causal  # |p - k| < w: per query on the context, both ways in the block
+            hidden_keys[w, causal] = (~context_mask(anchors, S, w, B if causal or symmetric else 0),
+                                      ~block_mask(B, w, anchors.device, causal) if causal or symmetric else None)
+        x = block_embeds
+        for layer, kind in zip(self.layers, kinds):
+            a = layer.self_attn
+            k_ctx = reference.apply_rope(a.k_norm(a.k_proj(ctx).view(S, Hkv, D)), cos_c, sin_c)
+            v_ctx = a.v_proj(ctx).view(S, Hkv, D)
+            hidden, hidden_own = hidden_keys[kind]
+
+            def attend(q, k, v):  # called within this iteration, so the closure sees this layer's tensors
+                # q [nb, B, Hq, D]; k, v [nb, B, Hkv, D]; query head h reads kv head h // group
+                q = q.reshape(nb, B, Hkv, group, D) * scale
+                on_ctx = torch.einsum("nbhgd,shd->hgnbs", q, k_ctx).masked_fill(hidden, float("-inf"))
+                on_own = torch.einsum("nbhgd,nchd->hgnbc", q, k)
+                if hidden_own is not None:
+                    on_own = on_own.masked_fill(hidden_own, float("-inf"))
+                # [Hkv, group, nb, B, S + B], normalised in fp32 (CPU autocast would keep a bf16 softmax in bf16)
+                p = torch.cat([on_ctx, on_own], -1).softmax(-1, dtype=torch.float32).to(v.dtype)
+                o = (torch.einsum("hgnbs,shd->nbhgd", p[..., :S], v_ctx)
+                     + torch.einsum("hgnbc,nchd->nbhgd", p[..., S:], v))
+                return o.reshape(nb, B, Hq, D)
+
+            x = layer(x, cos_b, sin_b, attend)
+        return self.norm(x)

@@ -1,14 +1,34 @@
 """The drafter's modules: Qwen3-style decoder layers (RMSNorm, Attention, MLP, DecoderLayer)
-and DFlash2's parts (BlockConv, CandidateSelector), with their initialisation. The drafter
-that holds them is :class:`dflash_ext.drafter.DFlashDrafter`."""
+and DFlash2's parts (BlockConv, CandidateSelector), with their initialisation
+(:func:`init_weights`), and the RoPE tables they rotate by (:func:`rope_tables`). The
+drafter that holds them is :class:`~dflash_ext.model.drafter.DFlashDrafter`."""
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import reference
+from ..ops import reference
 from .config import DFlashConfig
+
+
+def rope_tables(config: DFlashConfig, positions: int, device=None, dtype=None):
+    """cos, sin ``[positions, D]`` of the positions ``0 .. positions - 1``, computed by
+    transformers' own Qwen3 rotary embedding from the config (every rope type it implements,
+    with the attention scaling YaRN and longrope apply to cos and sin), on `device` in
+    `dtype`. A rope type that recomputes its frequencies from the sequence length past a limit
+    (:attr:`DFlashConfig.rope_position_limit`) is a ValueError past it: an incremental context
+    cache cannot follow that."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    limit = config.rope_position_limit
+    if limit is not None and positions > limit:
+        raise ValueError(f"rope_type {config.rope_parameters['rope_type']!r} recomputes every frequency from the "
+                         f"whole sequence length past {limit} positions; drafting at {positions} positions is not "
+                         "supported")
+    rotary = Qwen3RotaryEmbedding(config.hf_config())
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(positions)[None])
+    return cos[0].to(device, dtype), sin[0].to(device, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -182,7 +202,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_conv(self.mlp(self.mlp_conv(h, deltas, 0, block_conv)), deltas, 1, block_conv)
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     """Linear layers random; DFlash2's parts at their identity (Module.apply visits a module
     after its children, so this overrides their projections' random init)."""
     if isinstance(module, nn.Linear):

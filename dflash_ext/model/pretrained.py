@@ -33,7 +33,8 @@ def default_drafter_path() -> str:
     return str(importlib.resources.files("dflash_ext").joinpath("drafters", "smollm2-135m"))
 
 
-def _cache_root() -> str:
+def cache_root() -> str:
+    """Where converted targets are cached: $DFLASH_CACHE, else ~/.cache/dflash_ext."""
     return os.environ.get("DFLASH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_ext"))
 
 
@@ -60,15 +61,15 @@ def _check_conversion_packages() -> None:
 
 def default_target_path() -> str:
     """The cached Hugging Face folder of the default target, converted on first use."""
-    folder = os.path.join(_cache_root(), DEFAULT_TARGET_NAME)
+    folder = os.path.join(cache_root(), DEFAULT_TARGET_NAME)
     done = os.path.join(folder, ".complete")
     if os.path.exists(done):
         return folder
     _check_conversion_packages()
-    os.makedirs(_cache_root(), exist_ok=True)
+    os.makedirs(cache_root(), exist_ok=True)
     # One converter at a time (the ranks of a torchrun job on a fresh machine start
     # together): the others wait here, then find the folder complete.
-    with open(os.path.join(_cache_root(), f".{DEFAULT_TARGET_NAME}.lock"), "w") as lock:
+    with open(os.path.join(cache_root(), f".{DEFAULT_TARGET_NAME}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(done):
             _convert_gguf(folder)

@@ -1,23 +1,27 @@
-"""The public op API of dflash_ext (its full contract: docs/ops.md).
+"""The op layer's public API: the fused ops of the draft step (their full contract: docs/ops.md).
 
-Each function calls the compiled op ``torch.ops.dflash_ext.<name>``; the fake (meta)
-kernels registered here give output shapes to ``torch.compile`` and FakeTensor
-tracing. Input checks live in the compiled op (csrc/checks.cpp) and name the argument.
+Importing this package loads the compiled extension (:func:`.hardware.load_extension`),
+which registers ``torch.ops.dflash_ext.<name>``. Each function here calls that op, and the
+fake (meta) kernel registered beside it gives output shapes to ``torch.compile`` and
+FakeTensor tracing. Input checks live in the compiled op (csrc/checks.cpp) and name the
+argument. The rooms beside it: :mod:`.reference` (the plain-PyTorch specification of every
+op, differentiable), :mod:`.linear` (which kernel runs each linear layer) and
+:mod:`.hardware` (what this machine is).
 
 The ops are inference only: they have no backward, so each raises when called with
 gradients wanted (grad mode on and a tensor input that requires grad) rather than return
-an output whose inputs would silently get no gradient; dflash_ext.reference has the same
-functions, differentiable.
+an output whose inputs would silently get no gradient.
 """
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .hardware import skinny_linear_streams
+from . import hardware
+
+hardware.load_extension()  # before the fakes below register against the ops it defines
 
 __all__ = ["project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv", "rms_norm",
-           "qk_norm_rope"]
+           "qk_norm_rope", "wants_grad"]
 
 _ops = torch.ops.dflash_ext
 
@@ -35,6 +39,16 @@ def _inference_only(name: str, *tensors) -> None:
                            f"torch.inference_mode(), or use dflash_ext.reference.{name} for gradients")
 
 
+def _check_one_device(**tensors):
+    """Fake kernels also run when only some inputs are on the meta device; the compiled
+    checks never see that case, so the device rule is enforced here too."""
+    (first_name, first), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != first.device:
+            raise RuntimeError(f"{name} is on {t.device} but {first_name} is on {first.device}: "
+                               "all tensors must be on one device")
+
+
 def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
                      norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``rms_norm(cat(features, -1) @ fc_weight.T, eps) * norm_weight`` without the concat.
@@ -45,6 +59,14 @@ def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
     features = list(features)
     _inference_only("project_features", fc_weight, norm_weight, *features)
     return _ops.project_features(features, fc_weight, norm_weight, float(eps))
+
+
+@torch.library.register_fake("dflash_ext::project_features")
+def _project_features_fake(features, fc_weight, norm_weight, eps):
+    torch._check(len(features) > 0, lambda: "features must hold at least one tensor (k >= 1)")
+    _check_one_device(**{f"features[{j}]": f for j, f in enumerate(features)},
+                      fc_weight=fc_weight, norm_weight=norm_weight)
+    return features[0].new_empty((features[0].shape[0], fc_weight.shape[0]))
 
 
 def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
@@ -66,6 +88,15 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
     _inference_only("inject_context_kv", ctx, k_weight, v_weight, k_norm_weight, cos, sin, k_cache, v_cache)
     _ops.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
                            k_cache, v_cache, float(eps), bool(validate))
+
+
+@torch.library.register_fake("dflash_ext::inject_context_kv")
+def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
+                            k_cache, v_cache, eps, validate=True):
+    _check_one_device(ctx=ctx, k_weight=k_weight, v_weight=v_weight, k_norm_weight=k_norm_weight,
+                      cos=cos, sin=sin, positions=positions, slots=slots, k_cache=k_cache,
+                      v_cache=v_cache)
+    return None
 
 
 def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
@@ -107,6 +138,15 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
                                 bool(symmetric))
 
 
+@torch.library.register_fake("dflash_ext::block_attention")
+def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
+                          window=0, max_context=-1, validate=True, causal=False, symmetric=False):
+    _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
+                      cache_offsets=cache_offsets, cache_lens=cache_lens)
+    torch._check(not (causal and symmetric), lambda: "causal and symmetric exclude each other; got both True")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for inputs of few rows (a verify pass of B tokens).
 
@@ -123,15 +163,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through :func:`skinny_linear` where its streaming kernel runs
-    (one pass over the weight: on the CPUs measured the library's GEMM costs about twice its
-    one-row GEMV at 2..8 rows, and its GEMV runs below the memory bandwidth on some:
-    bench/results/history/notebook-2026.md §6); many rows (a prefill), other devices and a
-    call that wants gradients (the op has no backward: training keeps working) stay on F.linear."""
-    if skinny_linear_streams(x, weight) and not wants_grad(x, weight, bias):
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+@torch.library.register_fake("dflash_ext::skinny_linear")
+def _skinny_linear_fake(x, weight, bias=None):
+    _check_one_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -149,56 +184,11 @@ def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torc
     return _ops.block_conv(x, base, delta)
 
 
-def _check_one_device(**tensors):
-    """Fake kernels also run when only some inputs are on the meta device; the compiled
-    checks never see that case, so the device rule is enforced here too."""
-    (first_name, first), *rest = tensors.items()
-    for name, t in rest:
-        if t.device != first.device:
-            raise RuntimeError(f"{name} is on {t.device} but {first_name} is on {first.device}: "
-                               "all tensors must be on one device")
-
-
-@torch.library.register_fake("dflash_ext::project_features")
-def _project_features_fake(features, fc_weight, norm_weight, eps):
-    torch._check(len(features) > 0, lambda: "features must hold at least one tensor (k >= 1)")
-    _check_one_device(**{f"features[{j}]": f for j, f in enumerate(features)},
-                      fc_weight=fc_weight, norm_weight=norm_weight)
-    return features[0].new_empty((features[0].shape[0], fc_weight.shape[0]))
-
-
-@torch.library.register_fake("dflash_ext::inject_context_kv")
-def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
-                            k_cache, v_cache, eps, validate=True):
-    _check_one_device(ctx=ctx, k_weight=k_weight, v_weight=v_weight, k_norm_weight=k_norm_weight,
-                      cos=cos, sin=sin, positions=positions, slots=slots, k_cache=k_cache,
-                      v_cache=v_cache)
-    return None
-
-
-@torch.library.register_fake("dflash_ext::block_attention")
-def _block_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens, scale,
-                          window=0, max_context=-1, validate=True, causal=False, symmetric=False):
-    _check_one_device(q=q, k_block=k_block, v_block=v_block, k_cache=k_cache, v_cache=v_cache,
-                      cache_offsets=cache_offsets, cache_lens=cache_lens)
-    torch._check(not (causal and symmetric), lambda: "causal and symmetric exclude each other; got both True")
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("dflash_ext::skinny_linear")
-def _skinny_linear_fake(x, weight, bias=None):
-    _check_one_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-
 @torch.library.register_fake("dflash_ext::block_conv")
 def _block_conv_fake(x, base, delta):
     _check_one_device(x=x, base=base, delta=delta)
     return x.new_empty(x.shape)
 
-
-# --------------------------------------------------------------------------- the draft layer's norms (appended block)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None):
     """``x * rsqrt(mean(x^2, -1) + eps) * weight`` over the last dim H of ``x [..., H]``
@@ -214,19 +204,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     return _ops.add_rms_norm(x, residual, weight, float(eps))
 
 
-def qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, eps: float = 1e-6):
-    """q and k of a decoder layer from its stacked projection ``qkv [M, (Hq + 2 Hkv) * D]``
-    (q heads, k heads, v heads; rows may be strided): each head RMS-normed over D (norm weights
-    ``[D]``), then rotated (rotate_half RoPE) at ``cos, sin [M, D]``, the table rows of each
-    token's position. Returns ``(q [M, Hq, D], k [M, Hkv, D])`` in qkv's dtype (fp32 math);
-    v is the view ``qkv[:, (Hq + Hkv) * D:]``. Spec: dflash_ext.reference.qk_norm_rope.
-    """
-    _inference_only("qk_norm_rope", qkv, q_norm_weight, k_norm_weight, cos, sin)
-    return _ops.qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, int(num_q_heads), int(num_kv_heads),
-                             float(eps))
-
-
 @torch.library.register_fake("dflash_ext::rms_norm")
 def _rms_norm_fake(x, weight, eps):
     _check_one_device(x=x, weight=weight)
@@ -238,6 +215,19 @@ def _add_rms_norm_fake(x, residual, weight, eps):
     _check_one_device(x=x, residual=residual, weight=weight)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, eps: float = 1e-6):
+    """q and k of a decoder layer from its stacked projection ``qkv [M, (Hq + 2 Hkv) * D]``
+    (q heads, k heads, v heads; rows may be strided): each head RMS-normed over D (norm weights
+    ``[D]``), then rotated (rotate_half RoPE) at ``cos, sin [M, D]``, the table rows of each
+    token's position. Returns ``(q [M, Hq, D], k [M, Hkv, D])`` in qkv's dtype (fp32 math);
+    v is the view ``qkv[:, (Hq + Hkv) * D:]``. Spec: dflash_ext.reference.qk_norm_rope.
+    """
+    _inference_only("qk_norm_rope", qkv, q_norm_weight, k_norm_weight, cos, sin)
+    return _ops.qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, int(num_q_heads), int(num_kv_heads),
+                             float(eps))
 
 
 @torch.library.register_fake("dflash_ext::qk_norm_rope")

@@ -1,5 +1,6 @@
-"""What this machine computes fast: run-time CPU feature detection (never tuned to one
-machine), the dtype choice that follows from it, and the CPU kernels' dispatch.
+"""What this machine is and computes fast: the CPU features the kernels need (checked before
+the compiled extension loads: :func:`load_extension`), run-time CPU feature detection (never
+tuned to one machine), the dtype choice that follows from it, and the CPU kernels' dispatch.
 
 The CPU kernels choose their paths by an ISA level, lowest first: ``avx2`` (the build's
 baseline: AVX2 + FMA), ``avx512``, ``avx512_bf16`` and ``amx_bf16``. The level is detected
@@ -15,8 +16,11 @@ import platform
 import torch
 
 __all__ = ["cpu_has_bf16_units", "cpu_description", "fastest_dtype", "ISA_LEVELS", "cpu_isa",
-           "set_cpu_isa", "forced_cpu_isa", "cpu_paths", "keep_freed_memory"]
+           "set_cpu_isa", "forced_cpu_isa", "cpu_paths", "skinny_linear_path", "keep_freed_memory",
+           "require_cpu_features", "load_extension"]
 
+# The x86 CPU kernels are compiled for AVX2 + FMA + F16C (x86-64-v3).
+REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
 ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx_bf16")
 # oneDNN's own cap for a forced level (it reads ONEDNN_MAX_CPU_ISA once, at its first use):
 # forcing avx512_bf16 on an AMX CPU then also keeps oneDNN off the AMX tiles.
@@ -68,17 +72,58 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
-def _c():
-    from . import _C  # the compiled extension (imported lazily: this module is imported first)
-    return _C
+def require_cpu_features(cpuinfo_path="/proc/cpuinfo") -> None:
+    """Refuse an x86 CPU older than the kernels (:data:`REQUIRED_CPU_FEATURES`) with a clear
+    ImportError instead of dying on an illegal instruction; nothing to check elsewhere."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    try:
+        with open(cpuinfo_path) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return  # no /proc (not Linux): nothing to check against
+    missing = [x for x in REQUIRED_CPU_FEATURES if flags is not None and x not in flags]
+    if missing:
+        raise ImportError("dflash_ext's CPU kernels need an x86-64 CPU with " + ", ".join(REQUIRED_CPU_FEATURES)
+                          + "; this CPU lacks " + ", ".join(missing))
 
 
 def cap_onednn_isa_from_env() -> None:
-    """Called at import, before any oneDNN call: DFLASH_CPU_ISA also caps oneDNN's ISA
-    (unless ONEDNN_MAX_CPU_ISA is set already)."""
+    """Before any oneDNN call: DFLASH_CPU_ISA also caps oneDNN's ISA (unless
+    ONEDNN_MAX_CPU_ISA is set already)."""
     level = os.environ.get("DFLASH_CPU_ISA", "")
     if level in _ONEDNN_MAX_ISA:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_MAX_ISA[level])
+
+
+def load_extension():
+    """Load the compiled extension (it registers ``torch.ops.dflash_ext.*``) once the CPU is
+    known to run it and oneDNN's cap is set, and read DFLASH_CPU_ISA now (a bad value is an
+    error at import, not at a call). A missing or mismatched build is an ImportError that
+    says what to do."""
+    from .. import __version__
+
+    require_cpu_features()
+    cap_onednn_isa_from_env()
+    try:
+        from .. import _C
+    except ModuleNotFoundError as e:
+        if e.name != "dflash_ext._C":
+            raise
+        raise ImportError("dflash_ext's compiled extension is not built here: ./run.sh builds it, or "
+                          "pip install --no-build-isolation -e . (docs/build.md)") from e
+    except ImportError as e:  # most often a torch other than the one the extension was built with
+        raise ImportError(f"dflash_ext {__version__}: its compiled extension failed to load with torch "
+                          f"{torch.__version__} ({e}). It loads only with the torch minor version it was built "
+                          "against (pyproject.toml: torch>=2.14,<2.15): install that torch, or rebuild "
+                          "(pip install --no-build-isolation .)") from e
+    _C._cpu_isa()
+    return _C
+
+
+def _c():
+    from .. import _C  # loaded by load_extension (imported lazily: this module is imported before it)
+    return _C
 
 
 def cpu_isa() -> dict:
@@ -106,17 +151,15 @@ def forced_cpu_isa(level: str):
         set_cpu_isa(prev)
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The dtypes the CPU kernels take, by the names their path rules use.
+CPU_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def skinny_linear_streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``ops.skinny_linear(x, weight)`` runs its streaming kernel (the rule of
-    csrc/cpu/isa.h: 1..8 rows where the GEMM rule says tiles) rather than the library's
-    linear; False off the CPU and for dtypes the op does not take (float64)."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPE_NAMES or x.dim() == 0 or x.shape[-1] == 0:
-        return False
-    rows = x.numel() // x.shape[-1]
-    return _c()._cpu_skinny_linear_path(_DTYPE_NAMES[x.dtype], rows, weight.numel() * weight.element_size()) == "stream"
+def skinny_linear_path(dtype: torch.dtype, rows: int, weight_bytes: int) -> str:
+    """The path ``ops.skinny_linear`` takes on the CPU now for `rows` input rows of `dtype`
+    (one of :data:`CPU_KERNEL_DTYPES`) over `weight_bytes` of weight: ``"stream"`` (its own
+    kernel) or the library's linear (the rule of csrc/cpu/isa.h)."""
+    return _c()._cpu_skinny_linear_path(CPU_KERNEL_DTYPES[dtype], int(rows), int(weight_bytes))
 
 
 def cpu_paths(dtype: torch.dtype, rows: int = 16, weight_bytes: int = 1 << 30, keys: int = 1024,
@@ -125,8 +168,8 @@ def cpu_paths(dtype: torch.dtype, rows: int = 16, weight_bytes: int = 1 << 30, k
     ``weight_bytes`` of weights (project_features: fc_weight; inject_context_kv: k_weight and
     v_weight together; skinny_linear: its weight), block_attention for ``keys`` keys per
     sequence (context + block) and ``query_rows`` query rows per KV head (Bq x Hq / Hkv)."""
-    name = _DTYPE_NAMES[dtype]
+    name = CPU_KERNEL_DTYPES[dtype]
     gemm = _c()._cpu_gemm_path(name, int(rows), int(weight_bytes))
     return {"project_features": gemm, "inject_context_kv": gemm,
-            "skinny_linear": _c()._cpu_skinny_linear_path(name, int(rows), int(weight_bytes)),
+            "skinny_linear": skinny_linear_path(dtype, rows, weight_bytes),
             "block_attention": _c()._cpu_attention_path(name, int(keys), int(query_rows))}

@@ -2,8 +2,8 @@
 tools (as ``flashinfer.testing`` is for FlashInfer): reproducible (drawn on the CPU from a
 seeded generator, then cast and moved), never zeros, weights scaled so that outputs are O(1).
 One builder per op: ``make_project_inputs``, ``make_inject_inputs``, ``make_attention_inputs``
-and ``make_linear_inputs`` (skinny_linear). The eager baselines the benchmarks time are in
-``dflash_ext.reference`` (``eager_*``); the tests' tolerance rule is in python_tests/helpers.py.
+and ``make_linear_inputs`` (skinny_linear). The eager baselines the benchmarks time are
+bench/baselines.py; the tests' tolerance rule is in python_tests/helpers.py.
 """
 import math
 from dataclasses import dataclass
@@ -188,23 +188,3 @@ def make_linear_inputs(M, N, K, *, bias=False, dtype=torch.float32, device="cpu"
     w = randn((N, K), g, dtype, device, std=K ** -0.5)
     b = randn((N,), g, dtype, device) if bias else None
     return x, w, b
-
-
-class OracleProposer:
-    """Proposes the known continuation (τ near B); every `wrong_every`-th proposed token is
-    replaced by a wrong one so that partial acceptance is exercised too."""
-
-    def __init__(self, continuation, n_prompt, vocab_size, wrong_every=0):
-        self.cont, self.n_prompt, self.V, self.wrong_every = list(continuation), n_prompt, vocab_size, wrong_every
-        self.calls = 0
-
-    def accept(self, hidden_states, rows, positions):
-        pass
-
-    def propose(self, last_token, position, n):
-        start = position + 1 - self.n_prompt
-        toks = (self.cont[start:start + n] + [0] * n)[:n]
-        self.calls += 1
-        if self.wrong_every and self.calls % self.wrong_every == 0 and n > 1:
-            toks[n // 2] = (toks[n // 2] + 1) % self.V
-        return torch.tensor(toks, dtype=torch.long)

@@ -35,7 +35,7 @@ SLIDING = ("gpt_oss", "gemma4")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 FAMILIES = CROPPABLE + SLIDING + HYBRID
 # Families of other published checkpoints (GLM-4.5/4.6, MiniMax-M2, Kimi-Linear, MiniMax-01,
-# DeepSeek-V3.2): what spec_generate makes of them (python_tests/decoding/test_target_families.py).
+# DeepSeek-V3.2): what spec_generate makes of them (python_tests/decode/test_target_families.py).
 OTHER_FAMILIES = ("glm4_moe", "minimax_m2", "kimi_linear", "minimax", "deepseek_v32")
 
 _SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2)
@@ -43,11 +43,24 @@ _SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2)
 
 def target_config(family: str, num_hidden_layers: int = None, vocab_size: int = VOCAB, hidden_size: int = HIDDEN,
                   sliding_window: int = SLIDING_WINDOW, full_attention_interval: int = 2,
-                  max_position_embeddings: int = 512):
+                  max_position_embeddings: int = 512, **fields):
     """The config of one family (see the module table): tiny by default; every width follows
     `hidden_size` (4 query heads of hidden/4, 2 K/V heads; the benchmarks scale it up).
     Sliding families alternate sliding and full layers; the hybrids put a full-attention layer
-    every `full_attention_interval` layers (Qwen3.5 and Qwen3-Next: 4), the rest Gated DeltaNet."""
+    every `full_attention_interval` layers (Qwen3.5 and Qwen3-Next: 4), the rest Gated DeltaNet.
+    `fields`: other fields of the family's config, set on it (e.g. intermediate_size); one it
+    does not have is an error."""
+    config = _family_config(family, num_hidden_layers, vocab_size, hidden_size, sliding_window,
+                            full_attention_interval, max_position_embeddings)
+    for key, value in fields.items():
+        if not hasattr(config, key):
+            raise ValueError(f"{type(config).__name__} has no field {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def _family_config(family, num_hidden_layers, vocab_size, hidden_size, sliding_window, full_attention_interval,
+                   max_position_embeddings):
     import transformers as tf
 
     n = num_hidden_layers or 4
@@ -150,3 +163,18 @@ def tiny_family_target(family: str, seed: int = 0, sharpen: float = 20.0, dtype=
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     return model.eval()
+
+
+# The decoding tests' target (a llama or qwen3 one, mostly): 6 layers, a vocabulary of 128 and an
+# MLP of 128 whatever the width.
+DECODING_TEST_SIZE = dict(num_hidden_layers=6, vocab_size=128, intermediate_size=128)
+
+
+def tiny_target_config(family: str = "llama", **config):
+    """``target_config(family)`` at :data:`DECODING_TEST_SIZE`, `config` overriding it."""
+    return target_config(family, **{**DECODING_TEST_SIZE, **config})
+
+
+def tiny_target(family: str = "llama", seed: int = 0, **config):
+    """``tiny_family_target(family, seed)`` at :data:`DECODING_TEST_SIZE`, `config` overriding it."""
+    return tiny_family_target(family, seed, **{**DECODING_TEST_SIZE, **config})

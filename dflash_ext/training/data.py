@@ -25,8 +25,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from ..checkpoint import write_file_atomically
-from ..target import cache_kwarg, returned_cache
+from ..decode.runner import cache_kwarg, returned_cache
+from ..model.checkpoint import write_file_atomically
 
 __all__ = ["generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_features", "compute_features", "load_records",
            "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]

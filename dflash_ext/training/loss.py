@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..proposer import block_embedding
+from ..draft.head import block_embedding
 from .recipe import IGNORE, block_labels, loss_weights
 
 

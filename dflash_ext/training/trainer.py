@@ -33,15 +33,13 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import target_text_config
-from ..drafter import DFlashDrafter
-from ..hardware import fastest_dtype
+from ..model.config import target_text_config
+from ..model.drafter import DFlashDrafter
+from ..ops.hardware import fastest_dtype
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
 from .loss import FrozenTargetParts, LossVocab, label_weights, most_frequent_tokens, sequence_loss, tau_of
 from .recipe import IGNORE, block_labels, default_gamma, sample_anchors
-from .train_config import (EVAL_LOG, FRESH_LAYERS, MAY_CHANGE_ON_RESUME, PATH_FIELDS, STATE_NAME,  # noqa: F401
-                           TrainConfig, _comparable, _flag, _refuse_foreign_out, _saved_run, run_config,
-                           run_layer_ids)
+from .train_config import EVAL_LOG, FRESH_LAYERS, STATE_NAME, TrainConfig, run_config, run_layer_ids
 
 __all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
            "init_layers_from_target", "most_frequent_tokens"]

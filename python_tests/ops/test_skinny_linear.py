@@ -5,10 +5,9 @@ import torch
 from torch import nn
 
 import dflash_ext
-from dflash_ext import reference
-from dflash_ext.target import linear_rows, streamed_linears
-from dflash_ext.hardware import skinny_linear_streams
-from dflash_ext.testing import make_linear_inputs
+from dflash_ext import reference, streamed_linears
+from dflash_ext.ops.linear import linear_rows, skinny_linear_streams
+from dflash_ext.testing.inputs import make_linear_inputs
 
 from python_tests.helpers import DEVICES, DTYPES, check_op
 

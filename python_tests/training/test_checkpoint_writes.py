@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from dflash_ext import checkpoint
-from dflash_ext.checkpoint import read_checkpoint, write_checkpoint
-from dflash_ext.drafter import DFlashDrafter
-from python_tests.decoding_helpers import tiny_target_config
+from dflash_ext import DFlashDrafter
+from dflash_ext.model import checkpoint
+from dflash_ext.model.checkpoint import read_checkpoint, write_checkpoint
+from dflash_ext.testing.targets import tiny_target_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,7 +137,7 @@ def test_a_checkpoint_folder_with_a_model_card_is_replaced(tmp_path):
 # "reaped" once it is gone (a fresh interpreter per kill would spend seconds importing torch).
 WRITER = """
 import os, sys
-from dflash_ext.checkpoint import read_checkpoint, write_checkpoint
+from dflash_ext.model.checkpoint import read_checkpoint, write_checkpoint
 sources = [read_checkpoint(p) for p in sys.argv[2:]]
 for _ in sys.stdin:
     pid = os.fork()

@@ -6,14 +6,15 @@ import os
 import pytest
 import torch
 
-from dflash_ext.decoding import spec_generate, target_generate
-from dflash_ext.drafter import DFlashDrafter, block_mask, context_mask
-from dflash_ext.testing_targets import tiny_family_target
+from dflash_ext import DFlashDrafter, spec_generate, target_generate
+from dflash_ext.model.masks import block_mask, context_mask
+from dflash_ext.draft.runtime import DraftRuntime
+from dflash_ext.testing.targets import tiny_family_target, tiny_target, tiny_target_config
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
-from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
-                                        tau_of, train)
-from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from dflash_ext.training.loss import FrozenTargetParts, sequence_loss, tau_of
+from dflash_ext.training.train_config import TrainConfig
+from dflash_ext.training.trainer import _Features, _split_records, train
 
 
 def test_context_mask_matches_hand_built_mask():
@@ -98,9 +99,9 @@ def test_training_forward_equals_the_inference_draft_step(sliding_window):
     anchors, emb = torch.tensor([3, 7, 12, 16]), torch.randn(4, 4, c.hidden_size)
     hidden = d(feats, emb, anchors)
     for a, p in enumerate(anchors.tolist()):
-        cache = d.new_cache(1, 64)
-        d.add_context(cache, 0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
-        torch.testing.assert_close(d.draft_hidden(cache, emb[a:a + 1], torch.arange(p, p + 4)[None])[0],
+        runtime = DraftRuntime(d, 64)
+        runtime.add_context(0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
+        torch.testing.assert_close(runtime.draft_hidden(emb[a:a + 1], torch.arange(p, p + 4)[None])[0],
                                    hidden[a], rtol=1e-4, atol=1e-5)
 
 
@@ -223,7 +224,7 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert saved.acceptance_profile == pytest.approx(evals[-1]["accept"])  # acceptance.json beside the weights
     # The loss vocabulary is the checkpoint's draft vocabulary: the most frequent response tokens.
     from dflash_ext.training.data import load_records
-    from dflash_ext.training.trainer import most_frequent_tokens
+    from dflash_ext.training.loss import most_frequent_tokens
 
     expected, _ = most_frequent_tokens(load_records(data)[:-2], target.config.vocab_size, 40)
     assert torch.equal(saved.draft_vocab, expected)
@@ -280,9 +281,9 @@ def test_added_layers_leave_the_drafts_unchanged_until_trained(tmp_path):
     anchors, emb = torch.tensor([3, 9, 15]), torch.randn(3, 4, c.hidden_size)
 
     def draft(m, p=9):
-        cache = m.new_cache(1, 64)
-        m.add_context(cache, 0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
-        return m.draft_hidden(cache, emb[1:2], torch.arange(p, p + 4)[None])
+        runtime = DraftRuntime(m, 64)
+        runtime.add_context(0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
+        return runtime.draft_hidden(emb[1:2], torch.arange(p, p + 4)[None])
 
     before_train, before_draft = d(feats, emb, anchors), draft(d)
     d.add_layers(2)
