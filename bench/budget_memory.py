@@ -16,7 +16,7 @@ import torch
 
 
 def main():
-    from dflash_ext import default_drafter_path, DFlashDrafter, load_target, spec_generate, target_generate
+    from dflash_ext import DFlashDrafter, default_drafter_path, load_target, spec_generate, target_generate
     from dflash_ext.ops.hardware import cpu_description
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -29,7 +29,7 @@ template (the user text is cut to ``--max-prompt-tokens`` tokens first).
 
 Target: ``--target DIR`` (a Hugging Face causal LM folder), default the embedded
 SmolLM2-135M-Instruct; any family spec_generate runs (sliding-window and linear-attention
-hybrids included: the cache rollback is chosen per cache, dflash_ext.target.CacheRollback). Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
+hybrids included: the cache rollback is chosen per cache, dflash_ext.decode.rollback.CacheRollback). Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
 format), default a freshly initialised drafter (``DFlashDrafter.from_target``) which is
 UNTRAINED: it accepts almost nothing (tau ~ 1) and DFlash is then slower than the target
 alone; the output says so.
@@ -270,7 +270,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128; quick 32")
     ap.add_argument("--block-size", default="auto",
                     help="verify block size, or auto (default): chosen from this machine's measured verify cost "
-                         "and the drafter's acceptance profile (dflash_ext.decoding.choose_block_size)")
+                         "and the drafter's acceptance profile (dflash_ext.choose_block_size)")
     ap.add_argument("--loops", default="ours", help="DFlash loops to run beside the target alone: ours "
                     "(spec_generate), hf (transformers' generate(assistant_model=DFlashAssistant(drafter), "
                     "speculation_type='dflash')), or ours,hf: both with the same drafter on the same prompts")
@@ -329,8 +329,8 @@ def main(argv=None):
     t_start = time.perf_counter()
 
     from dflash_ext import choose_block_size, DFlashAssistant, DFlashDrafter, load_target, spec_generate, target_generate
-    from dflash_ext.ops.hardware import fastest_dtype
     from dflash_ext.model.pretrained import DEFAULT_TARGET_NAME
+    from dflash_ext.ops.hardware import fastest_dtype
 
     dtype = fastest_dtype(device) if args.dtype == "auto" else DTYPES[args.dtype]
     args.dtype = str(dtype).replace("torch.", "")

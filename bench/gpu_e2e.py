@@ -98,7 +98,7 @@ def ms(samples):
 def time_target_alone(target, prompt, static: bool, args, cache_len: int) -> dict:
     """Median ms of one target pass over one token (plus its argmax, as target_generate
     takes it), after `args.warmup` untimed passes (the compile and the CUDA-graph capture)."""
-    from dflash_ext.decode.runner import static_cache, TargetRunner
+    from dflash_ext.decode.runner import TargetRunner, static_cache
 
     runner = TargetRunner(target, compiled_sizes=(1,) if static else ())
     cache = static_cache(target, cache_len) if static else None
@@ -133,10 +133,10 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     """Median ms per phase of speculative_step (as spec_generate runs it, B = args.block):
     draft (propose + inject), verify (the target's pass over B tokens), rollback, rest
     (sampling, the accept rule); `args.warmup` untimed steps first."""
-    from dflash_ext.decode.step import DecodeState, speculative_step
     from dflash_ext import DFlashProposer
     from dflash_ext.decode.rollback import CacheRollback
-    from dflash_ext.decode.runner import static_cache, TargetRunner
+    from dflash_ext.decode.runner import TargetRunner, static_cache
+    from dflash_ext.decode.step import DecodeState, speculative_step
 
     B, n, device = args.block, prompt.shape[1], prompt.device
     runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=(B,) if static else ())

@@ -6,7 +6,7 @@ How to run (from the repository root, with the extension already built)::
     .venv/bin/python -m bench.rollback --quick    # shorter timing
     .venv/bin/python -m bench.rollback --families qwen3_5 --hidden 1024 --context 2048
 
-Each target is a random model of its family (dflash_ext/testing_targets.py, every width
+Each target is a random model of its family (dflash_ext/testing/targets.py, every width
 following --hidden; sliding layers alternate with full ones, the hybrid puts a full-attention
 layer every --full-every layers among Gated DeltaNet ones, as Qwen3.5 does), run as
 spec_generate runs it (linear layers streamed). After a prefill of --context tokens, the
@@ -15,7 +15,7 @@ verify pass over --block tokens is timed two ways, interleaved, --reps times eac
 - ``pass``: on a cache that records nothing (the cache a target alone decodes with; after
   each, untimed, its full-attention layers are cropped back to the context; its bounded layers,
   window and linear states, keep their size whatever they hold, and so their cost);
-- ``recorded pass`` + ``crop``: on the cache as :class:`dflash_ext.target.CacheRollback`
+- ``recorded pass`` + ``crop``: on the cache as :class:`dflash_ext.decode.rollback.CacheRollback`
   prepares it (transformers' past recording where a layer keeps a bounded state; nothing
   otherwise), then the rollback of the block (all of it, which makes the step repeatable; a
   crop costs the same whatever it drops).

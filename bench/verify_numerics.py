@@ -13,12 +13,12 @@ greedy continuations of the target), this script measures
      every linear layer on one row at a time (M = 1) and attention one query at a time
      over its own prefix (so no reduction order depends on B);
   3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
-     layer on 1..8 rows through ops.skinny_linear: dflash_ext.target.streamed_linears);
+     layer on 1..8 rows through ops.skinny_linear: dflash_ext.streamed_linears);
   4. the same for an *exact* verify: the streamed linear layers and attention one query at
      a time, against one-token decoding with its linear layers streamed too. skinny_linear
      takes each row's dot products in the same order for 1 to 4 rows (csrc/cpu/cpu_utils.h,
      skinny_gemm_nt), so where every linear layer of the target streams (its rule:
-     dflash_ext.hardware.skinny_linear_streams) a verify over B <= 4 tokens should give
+     dflash_ext.ops.linear.skinny_linear_streams) a verify over B <= 4 tokens should give
      that decoding's logits bit for bit at little cost;
   5. what each costs against one one-token forward, for B in --sizes (median times), and
      what one-token decoding itself costs with its linear layers streamed too (could the

@@ -263,8 +263,8 @@ def test_rowwise_verify_reproduces_one_token_decoding(dtype):
     one query at a time) equals decoding with streamed linear layers bitwise at B <= 4,
     where skinny_linear sums each row in the same order as for one row. Leaving either
     restores the model's own forward."""
-    from dflash_ext.testing.targets import tiny_target
     from dflash_ext import hardware
+    from dflash_ext.testing.targets import tiny_target
 
     vn = _bench_module("verify_numerics")
     model = tiny_target().to(dtype)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext.model import pretrained
 from dflash_ext.cli.main import main
 from dflash_ext.draft.assistant import SUPPORTED_TRANSFORMERS
+from dflash_ext.model import pretrained
 from python_tests.helpers import ROOT, load_setup_module
 
 PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))

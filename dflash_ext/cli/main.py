@@ -39,8 +39,7 @@ def main(argv=None):
                    help="the target's cache is transformers' StaticCache (a rollback lowers its length); on CUDA the "
                         "verify pass of B tokens and the target alone's one-token pass run compiled in CUDA graphs "
                         "(torch.compile reduce-overhead; the first steps compile). Full-attention targets compile, "
-                        "Gated-DeltaNet hybrids run the static cache eagerly, sliding-window targets are refused. "
-                        "Not yet run on a GPU")
+                        "Gated-DeltaNet hybrids run the static cache eagerly, sliding-window targets are refused")
     g.add_argument("--baseline", action="store_true",
                    help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

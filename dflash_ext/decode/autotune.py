@@ -125,7 +125,7 @@ def time_target_alone(model, ids, stream: bool, reps: int = 7) -> float:
 def fastest_target_alone(model, ids, device) -> tuple:
     """({(dtype, stream): seconds per token}, {dtype: model}): the target alone timed in fp32
     and bf16, on the CPU with its linear layers through F.linear and through skinny_linear
-    (which wins depends on the CPU: on an AMX Xeon one-token decoding ran faster in fp32).
+    (which wins depends on the CPU and the dtype: it is measured, never assumed).
     `model` is the fp32 one; the bf16 copy is made here."""
     models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
     streams = (False, True) if torch.device(device).type == "cpu" else (False,)

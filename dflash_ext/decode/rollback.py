@@ -67,7 +67,7 @@ class CacheRollback:
       compute the recurrent state after each token (sequentially, instead of chunked: the cost);
       every step then crops, by 0 tokens too, which trims them back to their working size.
       (A recording linear-attention layer is not `is_compileable`: transformers' criterion,
-      which :class:`~dflash_ext.target.TargetRunner` follows before compiling.)
+      which :class:`~.runner.TargetRunner` follows before compiling.)
 
     A cache layer of another kind (quantized, a model's own class, a static sliding window
     that can fill) or a cache that overrides `crop` (e.g. MiniMaxCache) is an error naming

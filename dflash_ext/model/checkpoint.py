@@ -1,5 +1,5 @@
 """Drafter checkpoints on disk, in the reference format (z-lab/dflash ``DFlashDraftModel``):
-``config.json`` (:mod:`dflash_ext.config`) and safetensors weights named
+``config.json`` (:mod:`.config`) and safetensors weights named
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
 ``layers.{i}.{input,post_attention}_layernorm.weight``, ``fc.weight``,
@@ -9,7 +9,7 @@ also has ``layers.{i}.{attention,mlp}_conv.base_kernel`` [2, T, H] and
 ``layers.{i}.{attention,mlp}_conv.kernel_projection.weight`` [2*T*G, H],
 ``candidate_selector.hidden_projection.weight`` [R, H] and the raw (no ``.weight``)
 ``candidate_selector.{predecessor,successor}_codebook`` [V, R]. Resolving a path or hub id, reading and
-writing: the module that builds the drafter from them is :mod:`dflash_ext.drafter`.
+writing: the module that builds the drafter from them is :mod:`.drafter`.
 """
 import contextlib
 import ctypes

@@ -3,7 +3,7 @@ reference format (z-lab/dflash ``DFlashDraftModel``: a Qwen3 config plus ``block
 ``num_target_layers`` and ``dflash_config``) means here, which layers attend causally
 (:attr:`DFlashConfig.layer_causal`: the rule SGLang, vLLM, TensorRT-LLM and the authors'
 code share), and which fields are rejected because they change the drafted function in
-some implementation and are not implemented (those field rules: :mod:`dflash_ext.config_fields`).
+some implementation and are not implemented (those field rules: :mod:`.config_fields`).
 DFlash2 checkpoints (``architectures: ["DFlash2DraftModel"]``) add the block convolution and
 candidate selector fields (:data:`DFLASH2_FIELDS`); docs/checkpoints.md, "DFlash2".
 """
@@ -30,7 +30,7 @@ def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
 
 
 # The config-field rules (what each config.json key does here, each value's type and range,
-# what is rejected) are dflash_ext.config_fields'.
+# what is rejected) are config_fields.py's.
 try:  # what transformers 5.x's strict config dataclasses raise on a wrongly typed field
     from huggingface_hub.errors import StrictDataclassError as _TransformersConfigError
 except ImportError:

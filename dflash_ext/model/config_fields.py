@@ -2,7 +2,7 @@
 (honoured, inert, fixed at a value, DFlash2's), each value's own type and range
 (:data:`FIELD_RULES`, checked as written by :func:`check_json_fields`), and which fields are
 rejected because they change the drafted function and are not implemented
-(:func:`reject_unsupported`). :class:`dflash_ext.config.DFlashConfig` applies them."""
+(:func:`reject_unsupported`). :class:`.config.DFlashConfig` applies them."""
 import math
 from typing import Any, Callable, NamedTuple, Optional
 

@@ -178,7 +178,7 @@ def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torc
     H, channel c is in group ``c // (H // G)``). Returns ``[M, B, H]`` in x's dtype:
     ``out[m, i, c] = sum_t (base[t, c] + delta[m, i, t, c // (H // G)]) * x[m, i - t, c]``
     over the taps ``t <= i``, accumulated in fp32. One fused pass over x on the CPU and on
-    CUDA (the CUDA kernel is compiled and SASS-checked but has not run on a GPU yet).
+    CUDA.
     """
     _inference_only("block_conv", x, base, delta)
     return _ops.block_conv(x, base, delta)

@@ -60,9 +60,8 @@ def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the kernel
     (no mmap'd blocks, no trimming below 2 GiB of free heap top). Training allocates and
     frees tensors of tens of MB every step (logits, attention keys); glibc serves each from
-    a fresh mmap, so every reuse faults its pages in and zeroes them again: on a 2-core KVM
-    guest (AMD EPYC) a short training run spent 10.7 s in the kernel without this, 6.3 s
-    with it, for 26-28 s of user time (python -m bench.malloc_reuse). Process-wide, for jobs
+    a fresh mmap, so every reuse faults its pages in and zeroes them again (what that costs:
+    python -m bench.malloc_reuse, bench/RESULTS.md). Process-wide, for jobs
     that own their process (the CLI's train, eval and gen-data); False where the C library
     is not glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

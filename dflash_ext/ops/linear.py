@@ -67,10 +67,9 @@ _PADDING = {}  # (rows, weight shape, dtype, bias?) -> rows to add
 
 def lm_head_padding(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
     """Rows to pad an LM-head GEMM of `rows` rows with on the CPU: 0 or up to a multiple of 16,
-    whichever this machine runs faster (timed once per shape, then remembered). CPU GEMM
-    kernels run some row counts far slower than the next multiple of 16 (MKL in fp32: 10 rows
-    about 2x slower than 16, bench/results/history/notebook-2026.md §2), others faster (bf16
-    with avx512_bf16: 3 rows in half the time of 16). 0 off the CPU."""
+    whichever this machine runs faster (timed once per shape, then remembered): CPU GEMM
+    kernels run some row counts slower than the next multiple of 16 and others faster, by
+    library, dtype and CPU (bench/results/history/notebook-2026.md §2). 0 off the CPU."""
     pad = -rows % 16
     if weight.device.type != "cpu" or pad == 0:
         return 0

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import dflash_ext.model.pretrained
-from dflash_ext.cli.main import main
 from dflash_ext import DFlashDrafter
+from dflash_ext.cli.main import main
 from dflash_ext.testing.targets import tiny_target, tiny_target_config
 from python_tests.cli.test_demo import _Tokenizer as ChatTokenizer  # the little of a tokenizer generate uses
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import dflash_ext.model.pretrained
-from dflash_ext.cli.main import main
 from dflash_ext import DFlashDrafter
+from dflash_ext.cli.main import main
+from dflash_ext.testing.targets import tiny_target, tiny_target_config
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import train
-from dflash_ext.testing.targets import tiny_target, tiny_target_config
 from python_tests.cli.test_cli_args import _usage_error, _write_records, data, nothing_loads, target_dir  # noqa: F401
 from python_tests.cli.test_demo import _Tokenizer as ChatTokenizer
 

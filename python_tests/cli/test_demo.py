@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 
 import dflash_ext.decode.autotune  # noqa: E402
 import dflash_ext.model.pretrained  # noqa: E402
-from dflash_ext.cli.main import main  # noqa: E402
 from dflash_ext import BlockSizeChoice  # noqa: E402
+from dflash_ext.cli.main import main  # noqa: E402
 from dflash_ext.testing.targets import tiny_target  # noqa: E402
 
 

@@ -5,7 +5,7 @@ one not rolled back) with clear errors instead of a silently shorter or broken c
 import pytest
 import torch
 
-from dflash_ext import choose_block_size, DFlashDrafter, spec_generate, target_generate
+from dflash_ext import DFlashDrafter, choose_block_size, spec_generate, target_generate
 from dflash_ext.decode.rollback import CacheRollback
 from dflash_ext.decode.runner import TargetRunner
 from dflash_ext.testing.targets import CROPPABLE, FAMILIES, tiny_family_target

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dflash_ext import default_drafter_path, DFlashAssistant, DFlashDrafter, spec_generate, target_generate
+from dflash_ext import DFlashAssistant, DFlashDrafter, default_drafter_path, spec_generate, target_generate
 from dflash_ext.testing.oracle import OracleProposer
 
 pytest.importorskip("transformers")

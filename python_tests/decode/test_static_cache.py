@@ -7,10 +7,10 @@ the target's own greedy tokens (skipped without a GPU; not yet run on one)."""
 import pytest
 import torch
 
-from dflash_ext import choose_block_size, DFlashDrafter, spec_generate, target_generate
+from dflash_ext import DFlashDrafter, choose_block_size, spec_generate, target_generate
 from dflash_ext.decode import runner as target_module
 from dflash_ext.decode.rollback import CacheRollback
-from dflash_ext.decode.runner import compiled_call, static_cache, TargetRunner
+from dflash_ext.decode.runner import TargetRunner, compiled_call, static_cache
 from python_tests.decode.test_target_families import (NEW_TOKENS, PROMPTS, chi2_goodness_of_fit,
                                                          exact_first_tokens, hf_greedy)
 from dflash_ext.testing.oracle import OracleProposer

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
-from dflash_ext.decode.step import DecodeState, speculative_step
 from dflash_ext.decode.rollback import CacheRollback
 from dflash_ext.decode.runner import TargetRunner
-from dflash_ext.testing.targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
+from dflash_ext.decode.step import DecodeState, speculative_step
 from dflash_ext.testing.oracle import OracleProposer
+from dflash_ext.testing.targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 52))]  # the second is longer than the window
 NEW_TOKENS = 3 * SLIDING_WINDOW

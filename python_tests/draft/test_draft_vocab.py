@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from dflash_ext.model.checkpoint import DRAFT_VOCAB_NAME
 from dflash_ext import DFlashDrafter, DFlashProposer, spec_generate, target_generate
+from dflash_ext.model.checkpoint import DRAFT_VOCAB_NAME
 from dflash_ext.testing.targets import tiny_target
 
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 61))]

@@ -7,9 +7,9 @@ stacked weights (no second copy; training and saving go on), the checkpoint form
 import pytest
 import torch
 
-from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext import DFlashDrafter, DFlashProposer
 from dflash_ext.decode.runner import TargetRunner
+from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext.testing.targets import tiny_target, tiny_target_config
 
 PROMPT = [5, 17, 33, 2, 9, 41, 77, 12]

@@ -1,4 +1,4 @@
-"""A draft step written independently of dflash_ext.drafter, for the drafter tests to compare
+"""A draft step written independently of dflash_ext (its drafter and draft runtime), for the drafter tests to compare
 against: transformers' Qwen3RotaryEmbedding and apply_rotary_pos_emb, and plain softmax
 attention over [context K/V ; block K/V] under an explicit boolean mask per layer. Which
 keys a layer's queries see is the caller's: the authors' rule (:func:`authors_visible`) or a
@@ -8,8 +8,8 @@ slots, taps and channels from the research notes' formulas (docs/dflash2.md)."""
 import torch
 import torch.nn.functional as F
 
-from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext import DFlashConfig, DFlashDrafter
+from dflash_ext.draft.runtime import DraftRuntime
 
 H, HQ, HKV, D, K_FEATS = 64, 4, 2, 16, 2
 

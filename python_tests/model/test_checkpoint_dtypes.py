@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_ext.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from dflash_ext import DFlashDrafter
+from dflash_ext.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from python_tests.model.plain_reference import config_json, random_drafter
 
 VICTIM = "layers.0.mlp.up_proj.weight"

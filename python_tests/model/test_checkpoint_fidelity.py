@@ -3,7 +3,7 @@ rope of every type transformers implements (its own rotary embedding is the refe
 per-layer sliding/full attention with the authors' causality (sliding layers causal unless
 is_causal says otherwise), and a clear error for fields we do not implement.
 
-The reference (plain_reference.py) is written independently of dflash_ext.drafter:
+The reference (plain_reference.py) is written independently of dflash_ext's drafter:
 transformers' Qwen3RotaryEmbedding and apply_rotary_pos_emb, and plain softmax attention
 over [context K/V ; block K/V] under the mask the authors' model.py builds."""
 import json
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dflash_ext import default_drafter_path, DFlashConfig, DFlashDrafter
+from dflash_ext import DFlashConfig, DFlashDrafter, default_drafter_path
 from dflash_ext.model.layers import rope_tables
 
 from python_tests.model.plain_reference import (D, H, K_FEATS, config_json, our_draft_step, plain_draft_step,

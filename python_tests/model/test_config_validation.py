@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash_ext import DFlashConfig, DFlashDrafter, default_drafter_path
 from dflash_ext.model.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME
-from dflash_ext import default_drafter_path, DFlashConfig, DFlashDrafter
 from dflash_ext.testing.targets import tiny_target_config
 from python_tests.model.plain_reference import config_json, random_drafter
 

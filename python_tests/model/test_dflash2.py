@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from dflash_ext.model.config_fields import DFLASH2_ARCHITECTURE
 from dflash_ext import DFlashDrafter
 from dflash_ext.draft.head import draft_tokens
+from dflash_ext.model.config_fields import DFLASH2_ARCHITECTURE
 from python_tests.model.plain_reference import (H, K_FEATS, config_json, our_draft_step, plain_draft_step,
                                                   plain_select, random_drafter)
 

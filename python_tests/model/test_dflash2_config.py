@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from dflash_ext.model.checkpoint import CONFIG_NAME
 from dflash_ext import DFlashConfig, DFlashDrafter
+from dflash_ext.model.checkpoint import CONFIG_NAME
 from python_tests.model.plain_reference import random_drafter
 from python_tests.model.test_dflash2 import dflash2_json
 

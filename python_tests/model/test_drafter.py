@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext import DFlashConfig, DFlashDrafter
+from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext.model.config import default_target_layer_ids
 from dflash_ext.testing.targets import tiny_target_config
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_ext import choose_block_size, DFlashConfig, DFlashDrafter, DFlashProposer, spec_generate, target_generate
-from dflash_ext.model.config import target_text_config
-from dflash_ext.draft.head import block_embedding
+from dflash_ext import DFlashConfig, DFlashDrafter, DFlashProposer, choose_block_size, spec_generate, target_generate
 from dflash_ext.decode.runner import TargetRunner
-from dflash_ext.testing.targets import COMPOSITE, composite_config, FAMILIES, target_config, tiny_family_target
+from dflash_ext.draft.head import block_embedding
+from dflash_ext.model.config import target_text_config
+from dflash_ext.testing.targets import COMPOSITE, FAMILIES, composite_config, target_config, tiny_family_target
 from dflash_ext.training.data import target_features
 from dflash_ext.training.loss import FrozenTargetParts
 

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from dflash_ext.training.data import compute_features, generate_responses, load_records, write_meta
 from dflash_ext.testing.targets import tiny_target
+from dflash_ext.training.data import compute_features, generate_responses, load_records, write_meta
 from python_tests.training.test_training import _ChatTokenizer
 
 

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
-from dflash_ext.training.recipe import IGNORE, block_labels
+from dflash_ext.testing.targets import tiny_target
 from dflash_ext.training.loss import FrozenTargetParts, label_weights, sequence_loss
+from dflash_ext.training.recipe import IGNORE, block_labels
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import train
-from dflash_ext.testing.targets import tiny_target
 from python_tests.training.test_training import _tiny_corpus
 
 

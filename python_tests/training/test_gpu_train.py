@@ -16,10 +16,10 @@ import torch
 
 from bench.training import gpu_train
 from dflash_ext import DFlashDrafter
+from dflash_ext.testing.targets import tiny_target
 from dflash_ext.training.data import generate_responses, load_records, split_holdout
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import train
-from dflash_ext.testing.targets import tiny_target
 from tools.gpu import parts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

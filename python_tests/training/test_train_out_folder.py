@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflash_ext import DFlashDrafter
-from dflash_ext.training.train_config import run_config, TrainConfig
-from dflash_ext.training.trainer import train
 from dflash_ext.testing.targets import tiny_target
+from dflash_ext.training.train_config import TrainConfig, run_config
+from dflash_ext.training.trainer import train
 from python_tests.training.test_training import _tiny_corpus
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
-from dflash_ext.model.masks import block_mask, context_mask
 from dflash_ext.draft.runtime import DraftRuntime
+from dflash_ext.model.masks import block_mask, context_mask
 from dflash_ext.testing.targets import tiny_family_target, tiny_target, tiny_target_config
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
-from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.loss import FrozenTargetParts, sequence_loss, tau_of
+from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import _Features, _split_records, train
 
