@@ -28,6 +28,9 @@ __all__ = ["spec_generate", "target_generate", "GenerationResult", "prompt_ids",
 
 @dataclass
 class GenerationResult:
+    """What a loop returns: the tokens generated (prompt excluded), the tokens each verify step
+    emitted (accepted drafts + the target's token; 1 per pass for the target alone), the block
+    size verified, and wall times (draft, verify, total, to the first token) in seconds."""
     tokens: List[int]                      # generated tokens (prompt excluded)
     acceptance_lengths: List[int] = field(default_factory=list)  # tokens emitted per verify step
     block_size: int = 0

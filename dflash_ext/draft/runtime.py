@@ -54,7 +54,8 @@ class DraftRuntime:
         self.device, self.dtype = p.device, p.dtype
         self.cache = DraftCache(self.config, batch_size, capacity, p.device, p.dtype, draft_window, max_capacity)
         self.rope = None
-        self.cover(capacity + self.config.block_size + 1)
+        first, limit = capacity + self.config.block_size + 1, self.config.rope_position_limit
+        self.cover(first if limit is None else min(first, limit))  # a position past a limit: its error, then
         self._layer_weights = None
         if fused:  # stacked now, on the caller's stream (never first inside a CUDA graph's warm-up)
             self.layer_weights()
