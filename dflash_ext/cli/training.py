@@ -43,6 +43,9 @@ def train_run_config(args):
     if cfg.extra_data and cached:
         raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
                          "folder and would be used)")
+    if cfg.distill and cached:
+        raise UsageError("argument --distill: needs --features live (the target's logits come from its live pass; "
+                         "the feature cache of --data would be used)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.batch_size % world:
         raise UsageError(f"argument --batch-size: {cfg.batch_size} is not a multiple of the {world} processes")

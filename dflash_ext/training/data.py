@@ -28,8 +28,8 @@ import torch
 from ..checkpoint import write_file_atomically
 from ..target import cache_kwarg, returned_cache
 
-__all__ = ["generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_features", "compute_features", "load_records",
-           "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]
+__all__ = ["generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_pass", "target_features",
+           "compute_features", "load_records", "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]
 
 META_NAME = "meta.json"
 
@@ -206,12 +206,20 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
 
 
 @torch.no_grad()
+def target_pass(target, input_ids: torch.Tensor, layer_ids: Sequence[int]):
+    """(features [S, k*H], final [S, H]) of one sequence ``input_ids [S]``: the hidden states
+    of `layer_ids` (layer l = HF ``hidden_states[l+1]``) concatenated in `layer_ids` order,
+    and the decoder's output (after its final norm), which the LM head reads. Runs the
+    target's decoder only: its LM head (49,152 logits a token on SmolLM2) is the caller's
+    to apply, to the rows it needs."""
+    out = target.get_decoder()(input_ids=input_ids[None], output_hidden_states=True)
+    hs = out.hidden_states
+    return torch.cat([hs[l + 1][0] for l in layer_ids], -1), out.last_hidden_state[0]
+
+
 def target_features(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
-    """[S, k*H]: the hidden states of `layer_ids` (layer l = HF ``hidden_states[l+1]``)
-    of one sequence ``input_ids [S]``, concatenated in `layer_ids` order. Runs the
-    target's decoder only: its LM head (49,152 logits a token on SmolLM2) is not needed."""
-    hs = target.get_decoder()(input_ids=input_ids[None], output_hidden_states=True).hidden_states
-    return torch.cat([hs[l + 1][0] for l in layer_ids], -1)
+    """[S, k*H]: the features of :func:`target_pass`."""
+    return target_pass(target, input_ids, layer_ids)[0]
 
 
 @torch.no_grad()
