@@ -124,7 +124,8 @@ def main(argv=None):
                    help="the highest-id records of --data, less those whose prompt a training record has")
     v.add_argument("--extra-data", type=existing_dir, nargs="*", default=None,
                    help="the run's --extra-data folders: held-out records with one of their prompts are left out")
-    v.add_argument("--eval-stride", type=positive_int, default=8)
+    v.add_argument("--eval-stride", type=positive_int, default=None,
+                   help="held-out anchors every N response positions (default: train's, so both measure one tau)")
     v.add_argument("--threads", type=positive_int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
     e.add_argument("--src", type=drafter_folder, required=True)

@@ -439,11 +439,11 @@ def test_generated_records_take_ids_from_the_base_and_resume(tmp_path):
     prompts = ["abc", "defgh", "x" * 40, "ij"]
     n = generate_responses(target, _ChatTokenizer(), prompts[:2], str(tmp_path), max_new_tokens=5,
                            max_prompt_tokens=20, batch_size=2, id_base=500)
-    assert n == 2
+    assert n == (2, [])
     n = generate_responses(target, _ChatTokenizer(), prompts, str(tmp_path), max_new_tokens=5,
                            max_prompt_tokens=20, batch_size=2, id_base=500)  # resumes: only "ij" is new
     records = load_records(str(tmp_path))
-    assert n == 3 and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
+    assert n == (3, [502]) and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
     for r, p in zip(records, [prompts[0], prompts[1], prompts[3]]):
         prompt = _ChatTokenizer().apply_chat_template([{"content": p}], True, True)["input_ids"]
         assert r["input_ids"][:r["response_start"]] == prompt
