@@ -37,6 +37,7 @@ int_from_2 = _checked(int, lambda v: v >= 2, "an integer >= 2")
 positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
 nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 probability = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fails too
+unit_fraction = _checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 seed_int = _checked(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")  # torch.Generator's range
 
 

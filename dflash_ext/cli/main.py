@@ -11,7 +11,7 @@ import argparse
 
 from .args import (UsageError, drafter_folder, drafter_init, existing_dir, int_from_2, nonnegative_float,
                    nonnegative_int, output_dir, output_file, parse_block_size, positive_float, positive_int,
-                   probability, prompt_text, seed_int, target_name, torch_device)
+                   probability, prompt_text, seed_int, target_name, torch_device, unit_fraction)
 from .generate import cmd_generate, cmd_info
 from .training import cmd_eval, cmd_export, cmd_gen_data, cmd_train
 
@@ -108,6 +108,9 @@ def main(argv=None):
     t.add_argument("--selector-top-k", type=int_from_2, default=None, help="DFlash2 candidates per slot K (default 16)")
     t.add_argument("--selector-alpha", type=nonnegative_float, default=None,
                    help="weight of DFlash2's selector loss (default 1; 0 leaves the selector untrained)")
+    t.add_argument("--distill", type=unit_fraction, default=None,
+                   help="weight of the cross-entropy to the target's whole next-token distribution (its logits "
+                        "over the loss vocabulary, from live features); 1 - DISTILL to its token (default 0)")
     t.add_argument("--eval-stride", type=positive_int, default=None, help="held-out anchors every N response positions")
     t.add_argument("--log-every", type=positive_int, default=None)
     t.add_argument("--device", type=torch_device, default="cpu")
@@ -120,7 +123,8 @@ def main(argv=None):
                    help="the highest-id records of --data, less those whose prompt a training record has")
     v.add_argument("--extra-data", type=existing_dir, nargs="*", default=None,
                    help="the run's --extra-data folders: held-out records with one of their prompts are left out")
-    v.add_argument("--eval-stride", type=positive_int, default=8)
+    v.add_argument("--eval-stride", type=positive_int, default=None,
+                   help="held-out anchors every N response positions (default: train's, so both measure one tau)")
     v.add_argument("--threads", type=positive_int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
     e.add_argument("--src", type=drafter_folder, required=True)

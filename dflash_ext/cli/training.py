@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .args import UsageError, check_drafter_fits, check_layer_ids, data_records, drafter_config, \
-    is_nonempty_dir, target_layer_count, read_target_config
+from .args import UsageError, check_drafter_fits, check_layer_ids, data_records, drafter_config, is_nonempty_dir, \
+    read_target_config, target_layer_count
 
 
 def train_run_config(args):
@@ -44,6 +44,9 @@ def train_run_config(args):
     if cfg.extra_data and cached:
         raise UsageError("argument --extra-data: needs --features live (the feature cache of --data is per "
                          "folder and would be used)")
+    if cfg.distill and cached:
+        raise UsageError("argument --distill: needs --features live (the target's logits come from its live pass; "
+                         "the feature cache of --data would be used)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.batch_size % world:
         raise UsageError(f"argument --batch-size: {cfg.batch_size} is not a multiple of the {world} processes")
@@ -124,9 +127,17 @@ def cmd_gen_data(args):
     id_base = TRAINING_SOURCES[args.prompts][1] + args.offset
     before = len(load_records(args.out)) if os.path.isdir(args.out) else 0
     start = time.perf_counter()
-    n = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, id_base=id_base)
+    n, too_long = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                     max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                                     id_base=id_base)
     seconds = time.perf_counter() - start
+    if too_long:
+        shown = ", ".join(str(i - id_base + args.offset) for i in too_long[:10]) + (", ..." if len(too_long) > 10 else "")
+        print(f"[dflash_ext] skipped {len(too_long)} of {len(prompts)} prompts of {args.prompts} longer than "
+              f"--max-prompt-tokens {args.max_prompt_tokens} tokens (their indices: {shown})", file=sys.stderr)
+    if n == 0:
+        raise UsageError(f"argument --max-prompt-tokens: every one of the {len(prompts)} prompts is longer than "
+                         f"{args.max_prompt_tokens} tokens: no record was written to {args.out}")
     records = load_records(args.out)
     if not args.no_features:
         compute_features(model, args.out, layer_ids)
@@ -136,7 +147,7 @@ def cmd_gen_data(args):
             "batch_size": args.batch_size, "prompts": f"{args.prompts}: its prompts {args.offset} .. "
                                                      f"{args.offset + len(prompts) - 1} (record ids from {id_base})",
             "response_tokens": sum(len(r["input_ids"]) - r["response_start"] for r in records),
-            "this_run": {"responses": n - before, "seconds": round(seconds, 1),
+            "this_run": {"responses": n - before, "skipped_too_long": len(too_long), "seconds": round(seconds, 1),
                          "responses_per_hour": round((n - before) * 3600 / seconds) if seconds else None,
                          "cpu": cpu_description()}}
     write_meta(args.out, meta)
@@ -181,12 +192,12 @@ def cmd_eval(args):
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)
     check_drafter_fits(drafter, target.config)
+    stride = {} if args.eval_stride is None else {"eval_stride": args.eval_stride}  # None: TrainConfig's
     cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
-                      eval_stride=args.eval_stride, extra_data=args.extra_data or [],
-                      features="live" if args.extra_data else "auto")
+                      extra_data=args.extra_data or [], features="live" if args.extra_data else "auto", **stride)
     tau, accept = evaluate_drafter(drafter, target, cfg)
     print(json.dumps({"drafter": args.drafter, "data": args.data, "extra_data": args.extra_data,
-                      "holdout": args.holdout, "eval_stride": args.eval_stride, "tau": tau, "accept": accept}))
+                      "holdout": args.holdout, "eval_stride": cfg.eval_stride, "tau": tau, "accept": accept}))
 
 
 def cmd_export(args):

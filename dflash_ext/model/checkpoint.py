@@ -265,6 +265,7 @@ def write_folder_atomically(path: str, files: Dict[str, Union[bytes, Callable[[s
                     f.write(content)
             else:
                 content(file_path)
+            _follow_umask(file_path)
             _fsync(file_path)
         _fsync_folder(new)
         old = _swap_in(new, path)
@@ -284,6 +285,7 @@ def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
     tmp = _temporary_sibling(parent, name)  # created by `write`, with the mode the umask gives
     try:
         write(tmp)
+        _follow_umask(tmp)
         _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -291,6 +293,22 @@ def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
             os.remove(tmp)
         raise
     _fsync_folder(parent)
+
+
+def _umask() -> int:
+    """The process's umask (read from /proc on Linux, where reading it does not change it)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _follow_umask(path: str) -> None:
+    """Give a written file the mode a plain open() would: some writers (safetensors' save_file)
+    create theirs owner-only, whatever the umask says."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _temporary_sibling(parent: str, name: str) -> str:

@@ -21,15 +21,27 @@ class FrozenTargetParts(torch.nn.Module):
             p.requires_grad_(False)
 
 
+def output_rows(frozen: FrozenTargetParts, vocab: Optional["LossVocab"]) -> torch.Tensor:
+    """The LM head rows the loss's softmax runs over: `vocab`'s, or the whole head."""
+    return frozen.lm_head.weight if vocab is None else vocab.lm_head_rows
+
+
 def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
                   anchors: torch.Tensor, block_size: int, gamma: float, vocab: Optional["LossVocab"] = None,
-                  need_correct: bool = True, selector_alpha: float = 1.0):
+                  need_correct: bool = True, selector_alpha: float = 1.0,
+                  teacher_logits: Optional[torch.Tensor] = None, distill: float = 0.0):
     """Weighted cross-entropy of all blocks of one sequence: slot j predicts
     input_ids[anchor + j] with weight exp(-(j-1)/gamma); slot 0 and slots past the end
     have no loss. With `vocab`, the softmax runs over that token subset only (labels
     outside it get no loss). Returns (weighted loss sum, weight sum, correct [nb, B-1]
     bool: the block inference would draft matches the labels there; None without
     `need_correct`): the caller normalises by the weight sum of its whole batch.
+
+    Distillation: with `teacher_logits [S, V]` (the target's logits at every position of
+    the sequence, over the same rows as the drafter's: `vocab`'s or the whole vocabulary)
+    each slot's loss is ``(1 - distill) * CE(label) + distill * CE(p_target)``, the second
+    the cross-entropy to the target's whole next-token distribution there (softmax over
+    those rows; its KL up to the target's entropy, a constant), with the same weights.
 
     DFlash2 (as SpecForge defines its loss): the cross-entropy runs on the selector's
     transformed logits, plus `selector_alpha` times the selector's: at each slot whose label
@@ -48,7 +60,7 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
     labels = block_labels(input_ids, anchors, B)
     # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the weight
     # expanded per block (measured: over a quarter of a CPU training step, bench/results/history/notebook-2026.md §5)
-    logits = F.linear(hidden.flatten(0, 1), frozen.lm_head.weight if vocab is None else vocab.lm_head_rows)
+    logits = F.linear(hidden.flatten(0, 1), output_rows(frozen, vocab))
     logits = logits.view(*labels.shape, -1)
     selector = core.candidate_selector if config.is_dflash2 else None
     vocab_ids = None if vocab is None else vocab.ids
@@ -68,6 +80,12 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
     unary = logits.float() if selector is None else selector.unary(logits)
     ce = F.cross_entropy(unary.reshape(-1, unary.shape[-1]), labels.reshape(-1), reduction="none",
                          ignore_index=IGNORE)
+    if distill:
+        if teacher_logits is None:
+            raise ValueError("distill > 0 needs teacher_logits (the target's logits of the sequence)")
+        soft = target_distribution(teacher_logits, anchors, B)
+        ce = (1 - distill) * ce + distill * F.cross_entropy(unary.reshape(-1, unary.shape[-1]),
+                                                            soft.reshape(-1, soft.shape[-1]), reduction="none")
     loss = (ce * w.reshape(-1)).sum()
     if selector is not None and selector_alpha:
         top, candidates = selector.top_candidates(unary, vocab_ids)  # [nb, B-1, K]
@@ -79,6 +97,15 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
                                  reduction="none")
         loss = loss + selector_alpha * (ce_sel * (w * covered).reshape(-1)).sum()
     return loss, w.sum(), correct
+
+
+def target_distribution(teacher_logits: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[nb, B-1, V] float32: the target's next-token distribution for slot j = 1..B-1 of the
+    block at each anchor, read at position anchor + j - 1 of ``teacher_logits [S, V]`` (the
+    logits there predict the token at anchor + j, the slot's label). Positions past the end
+    repeat the last row: those slots have no label and weight 0."""
+    pos = anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)
+    return teacher_logits[pos.clamp(max=teacher_logits.shape[0] - 1)].float().softmax(-1)
 
 
 def most_frequent_tokens(records, vocab_size: int, k: int):

@@ -49,6 +49,7 @@ class TrainConfig:
     selector_rank: int = 256    # DFlash2's selector (a new one; a DFlash2 init keeps its own)
     selector_top_k: int = 16
     selector_alpha: float = 1.0  # weight of the selector's loss (SpecForge's dflash2_selector_loss_alpha)
+    distill: float = 0.0        # weight of the cross-entropy to the target's distribution (1 - distill: to its token)
 
 
 # What a resumed run may change: how long it goes on and how often it logs, evaluates and

@@ -32,12 +32,14 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..model.config import target_text_config
 from ..model.drafter import DFlashDrafter
 from ..ops.hardware import fastest_dtype
-from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_features
-from .loss import FrozenTargetParts, LossVocab, label_weights, most_frequent_tokens, sequence_loss, tau_of
+from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_pass
+from .loss import (FrozenTargetParts, LossVocab, label_weights, most_frequent_tokens, output_rows, sequence_loss,
+                   tau_of)
 from .recipe import IGNORE, block_labels, default_gamma, sample_anchors
 from .train_config import EVAL_LOG, FRESH_LAYERS, STATE_NAME, TrainConfig, run_config, run_layer_ids
 
@@ -82,9 +84,18 @@ class _Features:
         return self.store is None or rec["id"] in self.store
 
     def __call__(self, rec, ids: torch.Tensor) -> torch.Tensor:
+        return self.with_final(rec, ids, final=False)[0]
+
+    def with_final(self, rec, ids: torch.Tensor, final: bool = True):
+        """(features, the target's final hidden states [S, H] or None): the final hidden states
+        need a live target pass (distillation reads the target's logits from them)."""
         if self.store is not None:
-            return self.store.get(rec["id"])[:ids.numel()].to(self.device, self.dtype)
-        return target_features(self.target, ids, self.layer_ids).to(self.dtype)  # fp32 residual stream
+            if final:
+                raise ValueError("distillation needs live features (features='live'): the feature cache "
+                                 "holds no final hidden states")
+            return self.store.get(rec["id"])[:ids.numel()].to(self.device, self.dtype), None
+        feats, last = target_pass(self.target, ids, self.layer_ids)
+        return feats.to(self.dtype), (last if final else None)  # fp32 residual stream
 
 
 def _anchors(cfg: TrainConfig, rec, seq_len: int, epoch: int) -> torch.Tensor:
@@ -177,6 +188,11 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     if use_autocast:  # live features and the frozen parts on bf16 weights (a copy: the caller's stays)
         target = copy.deepcopy(target).to(torch.bfloat16)
     features = _Features(cfg, target, layer_ids, device, torch.float32)
+    if not 0 <= cfg.distill <= 1:
+        raise ValueError(f"distill must be in [0, 1], got {cfg.distill!r}")
+    if cfg.distill and features.store is not None:
+        raise ValueError("distill > 0 needs live features (features='live'): the feature cache holds no "
+                         "final hidden states to read the target's logits from")
     records, heldout = _split_records(cfg, features)
     if not records:
         raise ValueError(f"no usable training records in {cfg.data}")
@@ -302,10 +318,12 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
             sync = model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
             with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=use_autocast):
                 with torch.no_grad():
-                    feats = features(rec, ids)
+                    feats, final = features.with_final(rec, ids, final=cfg.distill > 0)
+                    teacher = None if final is None else F.linear(final, output_rows(frozen, vocab))
                 with sync:
                     loss, _, _ = sequence_loss(model, frozen, ids, feats, anchors, cfg.block_size, gamma, vocab,
-                                               need_correct=False, selector_alpha=cfg.selector_alpha)
+                                               need_correct=False, selector_alpha=cfg.selector_alpha,
+                                               teacher_logits=teacher, distill=cfg.distill)
                     (loss / total_w).backward()
             loss_sum += loss.item()
             n_slots = int((block_labels(ids, anchors, cfg.block_size) != IGNORE).sum())

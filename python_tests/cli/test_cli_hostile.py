@@ -171,3 +171,42 @@ def test_static_cache_on_a_sliding_window_target_is_a_usage_error(monkeypatch, c
     err = _usage_error(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "4", "--dtype",
                         "float32", "--max-new-tokens", "400", "--draft-layers", "1", "--static-cache"], capsys)
     assert "argument --static-cache:" in err and "dynamic cache" in err
+
+
+class _CharTokenizer:
+    """A chat template of one token per character (prompt lengths follow the text)."""
+    pad_token_id, eos_token_id = 0, 1
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, return_dict=True):
+        return {"input_ids": [2] + [3 + ord(c) % 100 for c in messages[0]["content"]] + [2]}
+
+
+def test_gen_data_names_the_prompts_it_skips_and_fails_when_it_skips_them_all(tmp_path, target_dir, monkeypatch,
+                                                                               capsys):
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (tiny_target(), _CharTokenizer()))
+    monkeypatch.setattr("dflash_ext.prompts.training_prompts", lambda name: ["ab", "x" * 50, "cd", "y" * 60])
+    run = ["gen-data", "--target", target_dir, "--n", "4", "--max-new-tokens", "3", "--no-features",
+           "--dtype", "float32", "--max-prompt-tokens"]
+    main(run + ["10", "--out", str(tmp_path / "some")])
+    err = capsys.readouterr().err
+    assert "skipped 2 of 4 prompts" in err and "indices: 1, 3" in err and "2 records" in err
+    meta = json.loads((tmp_path / "some" / "meta.json").read_text())
+    assert meta["this_run"]["skipped_too_long"] == 2
+    err = _usage_error(run + ["1", "--out", str(tmp_path / "none")], capsys)
+    assert "argument --max-prompt-tokens:" in err and "every one of the 4 prompts" in err
+
+
+def test_eval_and_train_measure_tau_at_the_same_stride_by_default(tmp_path, target_dir, monkeypatch, capsys):
+    """One default: eval's tau of a checkpoint is the tau its training run logged."""
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _corpus(target, data)
+    cfg = TrainConfig(data=data, out=str(tmp_path / "ckpt"), num_layers=1, block_size=4, anchors=8, epochs=1,
+                      batch_size=2, max_steps=2, holdout=2, save_every=10 ** 9, log_every=10 ** 9, autocast="none",
+                      layer_ids=[1, 3, 4])
+    train(cfg, target, log=lambda m: None)
+    logged = json.loads((tmp_path / "ckpt" / "eval.jsonl").read_text().splitlines()[-1])["tau"]
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (target, None))
+    main(["eval", "--data", data, "--drafter", cfg.out, "--target", target_dir, "--holdout", "2"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["eval_stride"] == TrainConfig.eval_stride and report["tau"] == pytest.approx(logged, abs=1e-6)

@@ -1,5 +1,5 @@
 """Prompts and loop arguments that cannot be decoded are a ValueError naming the argument,
-in spec_generate and target_generate alike (dflash_ext.decoding.prompt_ids, check_sampling):
+in spec_generate and target_generate alike (dflash_ext.decode.loop.prompt_ids, check_sampling):
 never a reshape error, an IndexError inside the embedding, floats cut to token ids, or a
 block size of 0 read as "the drafter's"."""
 import pytest

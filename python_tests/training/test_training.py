@@ -121,6 +121,71 @@ def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
     assert not any("embed" in n or "lm_head" in n for n in names)
 
 
+def test_distillation_loss_is_the_cross_entropy_to_the_target_distribution():
+    """distill = 1: each slot's loss is -sum p_target log q at the position before its label
+    (the logits there predict it), weighted as the hard loss; distill = 0 is the hard loss;
+    between, the mix; a teacher that is the label's one-hot gives the hard loss back."""
+    import torch.nn.functional as F
+
+    from dflash_ext.training.loss import target_distribution
+
+    torch.manual_seed(0)
+    target = tiny_target()
+    frozen = FrozenTargetParts(target)
+    d = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    S, V = 30, target.config.vocab_size
+    ids = torch.randint(0, V, (S,))
+    feats = torch.randn(S, len(d.config.target_layer_ids) * d.config.hidden_size)
+    anchors = torch.tensor([5, 12, 27])  # the last block runs past the end
+    teacher = torch.randn(S, V) * 3
+    hard, w_sum, _ = sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0)
+    soft, w_sum1, _ = sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0, teacher_logits=teacher, distill=1.0)
+    mix, _, _ = sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0, teacher_logits=teacher, distill=0.25)
+    assert w_sum == w_sum1
+    # by hand: slot j of anchor a reads teacher row a + j - 1
+    with torch.no_grad():
+        embeds = frozen.embed(torch.stack([torch.cat([ids[a:a + 1], torch.full((3,), d.config.mask_token_id)])
+                                           for a in anchors]))
+        logq = F.log_softmax(F.linear(d(feats, embeds, anchors)[:, 1:], frozen.lm_head.weight).float(), -1)
+    labels = block_labels(ids, anchors, 4)
+    w = loss_weights(4, 2.0)[None] * (labels != IGNORE)
+    expected = 0.0
+    for a, p in enumerate(anchors.tolist()):
+        for j in range(1, 4):
+            if p + j < S:
+                expected -= w[a, j - 1] * (teacher[p + j - 1].softmax(-1) * logq[a, j - 1]).sum()
+    torch.testing.assert_close(soft.detach(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mix, 0.75 * hard + 0.25 * soft, rtol=1e-5, atol=1e-5)
+    one_hot = torch.full((S, V), -1e4)
+    one_hot[torch.arange(S - 1), ids[1:]] = 1e4  # row p predicts token p + 1
+    sharp, _, _ = sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0, teacher_logits=one_hot, distill=1.0)
+    torch.testing.assert_close(sharp, hard, rtol=1e-5, atol=1e-5)
+    assert target_distribution(teacher, anchors, 4).shape == (3, 3, V)
+    with pytest.raises(ValueError, match="teacher_logits"):
+        sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0, distill=0.5)
+
+
+def test_distilled_training_reads_the_targets_logits_over_the_loss_vocabulary(tmp_path):
+    """A distilled run (live features, a loss vocabulary) trains and moves the weights
+    differently from the hard-label run; cached features are refused by name."""
+    target = tiny_target()
+    data = str(tmp_path / "data")
+    _tiny_corpus(target, data, n=4, new_tokens=20)
+    common = dict(data=data, num_layers=1, block_size=4, anchors=8, epochs=1, batch_size=2, max_steps=2,
+                  save_every=10 ** 9, log_every=10 ** 9, autocast="none", loss_vocab=60)
+    hard = train(TrainConfig(out=str(tmp_path / "h"), features="live", **common), target, log=lambda m: None)
+    soft = train(TrainConfig(out=str(tmp_path / "s"), features="live", distill=1.0, **common), target,
+                 log=lambda m: None)
+    assert not torch.equal(hard.fc.weight, soft.fc.weight)
+    assert torch.isfinite(soft.fc.weight).all()
+    with pytest.raises(ValueError, match="live features"):
+        train(TrainConfig(out=str(tmp_path / "c"), features="cached", distill=0.5, **common), target,
+              log=lambda m: None)
+    with pytest.raises(ValueError, match="distill must be in"):
+        train(TrainConfig(out=str(tmp_path / "x"), features="live", distill=1.5, **common), target,
+              log=lambda m: None)
+
+
 def _tiny_corpus(target, folder, n=6, prompt_len=6, new_tokens=40, layer_ids=(1, 3, 4)):
     os.makedirs(folder, exist_ok=True)
     g = torch.Generator().manual_seed(1)
@@ -375,11 +440,11 @@ def test_generated_records_take_ids_from_the_base_and_resume(tmp_path):
     prompts = ["abc", "defgh", "x" * 40, "ij"]
     n = generate_responses(target, _ChatTokenizer(), prompts[:2], str(tmp_path), max_new_tokens=5,
                            max_prompt_tokens=20, batch_size=2, id_base=500)
-    assert n == 2
+    assert n == (2, [])
     n = generate_responses(target, _ChatTokenizer(), prompts, str(tmp_path), max_new_tokens=5,
                            max_prompt_tokens=20, batch_size=2, id_base=500)  # resumes: only "ij" is new
     records = load_records(str(tmp_path))
-    assert n == 3 and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
+    assert n == (3, [502]) and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
     for r, p in zip(records, [prompts[0], prompts[1], prompts[3]]):
         prompt = _ChatTokenizer().apply_chat_template([{"content": p}], True, True)["input_ids"]
         assert r["input_ids"][:r["response_start"]] == prompt
