@@ -147,6 +147,13 @@ def test_no_subpackage_imports_a_layer_above_its_own():
     assert {m: i for m, i in up.items() if i} == {}
 
 
+def test_every_import_of_the_package_names_one_of_its_modules():
+    """Also those inside functions, which importing the package does not run: a path a move left
+    behind fails here, not at the first call."""
+    stale = sorted({(m, base) for m in _modules() for _, base in _import_froms(m) if base and base not in ORDER})
+    assert stale == []
+
+
 def test_the_check_sees_imports():  # the parser above finds what it must forbid
     assert set(_imports("decode.loop")) >= {"model.drafter", "draft.proposer", "decode.runner", "ops.linear"}
     assert "decode.runner" in set(_imports("training.data"))
