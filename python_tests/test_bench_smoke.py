@@ -263,14 +263,14 @@ def test_rowwise_verify_reproduces_one_token_decoding(dtype):
     one query at a time) equals decoding with streamed linear layers bitwise at B <= 4,
     where skinny_linear sums each row in the same order as for one row. Leaving either
     restores the model's own forward."""
-    from dflash_ext import hardware
+    from dflash_ext.ops.linear import skinny_linear_streams
     from dflash_ext.testing.targets import tiny_target
 
     vn = _bench_module("verify_numerics")
     model = tiny_target().to(dtype)
     model.set_attn_implementation("sdpa")
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert all(hardware.skinny_linear_streams(torch.zeros(b, linear.in_features, dtype=dtype), linear.weight)
+    assert all(skinny_linear_streams(torch.zeros(b, linear.in_features, dtype=dtype), linear.weight)
                for b in (1, 4))  # the tiny target's layers stream: the exact verify's premise
     prompt = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     result, cache, block, context = vn.compare(model, prompt, [2, 4, 5, 9])

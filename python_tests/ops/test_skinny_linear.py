@@ -126,7 +126,7 @@ def test_streamed_linears_leave_other_dtypes_to_f_linear():
 
 
 def test_stream_rule_matches_the_paths():
-    """hardware.skinny_linear_streams and cpu_paths read the one rule of csrc/cpu/isa.h."""
+    """ops.linear.skinny_linear_streams and hardware.cpu_paths read the one rule of csrc/cpu/isa.h."""
     from dflash_ext import hardware
     w = torch.randn(16, 32)
     for rows in (1, 8, 9):
