@@ -52,9 +52,13 @@ __all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "HeldOut", 
 def init_layers_from_target(drafter: DFlashDrafter, target) -> None:
     """Start the drafter's N layers from the target's last N decoder layers (same widths;
     the Qwen3 q/k norms start as identity) and its final norm from the target's, so the
-    drafter starts as a language model whose output the frozen LM head already reads."""
+    drafter starts as a language model whose output the frozen LM head already reads; its
+    feature projection `fc` starts as the identity on the deepest target layer it reads
+    (the context the copied layers see is that layer's hidden states, normed)."""
     decoder = target.get_decoder()  # composite models keep the text decoder a level deeper
     src = decoder.layers[-len(drafter.layers):]
+    H, deepest = drafter.config.hidden_size, max(range(len(drafter.config.target_layer_ids)),
+                                                 key=lambda i: drafter.config.target_layer_ids[i])
     with torch.no_grad():
         for mine, theirs in zip(drafter.layers, src):
             own = mine.state_dict()
@@ -62,6 +66,8 @@ def init_layers_from_target(drafter: DFlashDrafter, target) -> None:
                 if name in own and own[name].shape == t.shape:
                     own[name].copy_(t)
         drafter.norm.weight.copy_(decoder.norm.weight)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.eye(H)
 
 
 def _dist_info():

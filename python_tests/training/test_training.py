@@ -104,6 +104,22 @@ def test_training_forward_equals_the_inference_draft_step(sliding_window):
                                    hidden[a], rtol=1e-4, atol=1e-5)
 
 
+def test_target_init_copies_the_last_layers_and_reads_the_deepest_features():
+    from dflash_ext.training.trainer import init_layers_from_target
+
+    target = tiny_target()
+    d = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 4, 2])
+    init_layers_from_target(d, target)
+    layers = target.get_decoder().layers
+    for mine, theirs in zip(d.layers, layers[-2:]):
+        for name, t in theirs.state_dict().items():
+            torch.testing.assert_close(mine.state_dict()[name], t, rtol=0, atol=0)
+    torch.testing.assert_close(d.norm.weight, target.get_decoder().norm.weight, rtol=0, atol=0)
+    H = d.config.hidden_size
+    x = torch.randn(5, 3 * H)
+    torch.testing.assert_close(d.fc(x), x[:, H:2 * H])  # layer 4, the deepest of [1, 4, 2]
+
+
 def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
     target = tiny_target()
     frozen = FrozenTargetParts(target)
