@@ -54,7 +54,7 @@ RESULT_NAME = "gpu_train.json"
 EXPORT_NAME = "drafter.tar"
 EXPORT_PART_MIB = 15  # $OUT brings back files of at most 16 MiB
 STEP_LINE = re.compile(r"\[train\] step (\d+)/(\d+) .* (\d+) slot-tokens/s")
-EVAL_LINE = re.compile(r"\[eval\] step (\d+) slot-tokens (\d+) held-out tau ([0-9.]+) \((\d+)s\)")
+EVAL_LINE = re.compile(r"\[eval\] step (\d+) slot-tokens (\d+) held-out tau ([0-9.]+)(?:, [^(]*)? \((\d+)s\)")
 
 
 # ----------------------------------------------------------------------------- prepare

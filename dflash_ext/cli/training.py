@@ -195,9 +195,9 @@ def cmd_eval(args):
     stride = {} if args.eval_stride is None else {"eval_stride": args.eval_stride}  # None: TrainConfig's
     cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
                       extra_data=args.extra_data or [], features="live" if args.extra_data else "auto", **stride)
-    tau, accept = evaluate_drafter(drafter, target, cfg)
+    held = evaluate_drafter(drafter, target, cfg)
     print(json.dumps({"drafter": args.drafter, "data": args.data, "extra_data": args.extra_data,
-                      "holdout": args.holdout, "eval_stride": cfg.eval_stride, "tau": tau, "accept": accept}))
+                      "holdout": args.holdout, "eval_stride": cfg.eval_stride, **held._asdict()}))
 
 
 def cmd_export(args):

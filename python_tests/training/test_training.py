@@ -105,6 +105,22 @@ def test_training_forward_equals_the_inference_draft_step(sliding_window):
                                    hidden[a], rtol=1e-4, atol=1e-5)
 
 
+def test_target_init_copies_the_last_layers_and_reads_the_deepest_features():
+    from dflash_ext.training.trainer import init_layers_from_target
+
+    target = tiny_target()
+    d = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 4, 2])
+    init_layers_from_target(d, target)
+    layers = target.get_decoder().layers
+    for mine, theirs in zip(d.layers, layers[-2:]):
+        for name, t in theirs.state_dict().items():
+            torch.testing.assert_close(mine.state_dict()[name], t, rtol=0, atol=0)
+    torch.testing.assert_close(d.norm.weight, target.get_decoder().norm.weight, rtol=0, atol=0)
+    H = d.config.hidden_size
+    x = torch.randn(5, 3 * H)
+    torch.testing.assert_close(d.fc(x), x[:, H:2 * H])  # layer 4, the deepest of [1, 4, 2]
+
+
 def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
     target = tiny_target()
     frozen = FrozenTargetParts(target)
@@ -163,6 +179,31 @@ def test_distillation_loss_is_the_cross_entropy_to_the_target_distribution():
     assert target_distribution(teacher, anchors, 4).shape == (3, 3, V)
     with pytest.raises(ValueError, match="teacher_logits"):
         sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0, distill=0.5)
+
+
+def test_sampled_acceptance_is_the_overlap_of_the_two_distributions_per_slot():
+    """Rejection sampling accepts a draft x ~ q with probability sum_x min(p, q): computed
+    per slot from the target's log-probabilities at the position before the label."""
+    from dflash_ext.training.loss import LossVocab, block_logits, sampled_acceptance
+
+    torch.manual_seed(1)
+    target = tiny_target()
+    frozen = FrozenTargetParts(target)
+    d = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    S, V = 25, target.config.vocab_size
+    ids = torch.randint(0, V, (S,))
+    feats = torch.randn(S, len(d.config.target_layer_ids) * d.config.hidden_size)
+    anchors = torch.tensor([3, 10, 23])
+    vocab = LossVocab(torch.arange(0, V, 2), frozen.lm_head.weight)  # a draft vocabulary of half the tokens
+    out = block_logits(d, frozen, ids, feats, anchors, 4, vocab)
+    log_p = (torch.randn(S, V) * 2).log_softmax(-1)  # over the whole vocabulary
+    alpha = sampled_acceptance(out, log_p[:, vocab.ids], anchors)
+    q = out.logits.float().softmax(-1)
+    for a, pos in enumerate(anchors.tolist()):
+        for j in range(3):
+            want = torch.minimum(log_p[pos + j, vocab.ids].exp(), q[a, j]).sum() if pos + j + 1 < S else 0.0
+            torch.testing.assert_close(alpha[a, j], torch.as_tensor(want, dtype=torch.float32))
+    assert (alpha <= 1).all() and (alpha >= 0).all()
 
 
 def test_distilled_training_reads_the_targets_logits_over_the_loss_vocabulary(tmp_path):
@@ -282,6 +323,7 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert any("features live" in m and "bf16 autocast on" in m for m in logs)
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [2, 3] and all(1 <= e["tau"] <= 4 for e in evals)
+    assert all(1 <= e["tau_t1"] <= 4 and len(e["accept_t1"]) == 3 for e in evals)  # live features: measured
     assert evals[1]["slot_tokens"] > evals[0]["slot_tokens"] > 0
     from dflash_ext.training.trainer import evaluate_drafter
 
@@ -293,7 +335,7 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
 
     expected, _ = most_frequent_tokens(load_records(data)[:-2], target.config.vocab_size, 40)
     assert torch.equal(saved.draft_vocab, expected)
-    tau, _ = evaluate_drafter(saved, target, cfg)  # the same held-out records and anchors as training's eval
+    tau = evaluate_drafter(saved, target, cfg).tau  # the same held-out records and anchors as training's eval
     assert tau == pytest.approx(evals[-1]["tau"], abs=0.02)
     cfg.max_steps = 4
     logs.clear()
@@ -330,7 +372,7 @@ def test_training_step_and_heldout_eval_on_a_hybrid_target(tmp_path):
     assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [8] and 1 <= evals[0]["tau"] <= 4
-    tau, accept = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
+    tau, accept, _, _ = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
     assert tau == pytest.approx(evals[0]["tau"], abs=0.02) and len(accept) == 3
 
 

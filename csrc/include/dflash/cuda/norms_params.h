@@ -1,13 +1,11 @@
-// Parameter blocks and per-architecture launchers of the draft layer's norms (rms_norm,
-// add_rms_norm, qk_norm_rope): the host side is csrc/cuda/norms_cuda.cpp, the kernels
-// dflash/cuda/norms.cuh compiled by csrc/cuda/norms_<arch>.cu; the launchers are chosen per
-// device with every other op's (ArchLaunchers, device_info in dispatch.h).
+// The parameter blocks and launcher table of the draft layer's norms (rms_norm, add_rms_norm,
+// qk_norm_rope): the host side is csrc/cuda/norms.cpp, the kernels dflash/cuda/norms.cuh.
 #pragma once
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
 
-#include "dflash/cuda/params.h"  // DType
+#include "dflash/cuda/params.h"
 
 namespace dflash::cuda {
 
@@ -42,14 +40,11 @@ struct QkNormRopeParams {
   bool vec;  // 16-byte accesses: D / 2 and ld multiples of 16 / element size, every pointer 16-byte aligned
 };
 
-#define DFLASH_DECLARE_NORM_LAUNCHERS(arch)                                  \
-  namespace arch {                                                          \
-  void rms_norm(const RmsNormParams& p, cudaStream_t stream);               \
-  void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream);        \
-  }
-
-DFLASH_DECLARE_NORM_LAUNCHERS(sm80)
-DFLASH_DECLARE_NORM_LAUNCHERS(sm90a)
-DFLASH_DECLARE_NORM_LAUNCHERS(sm100)
+// rms_norm runs add_rms_norm too (RmsNormParams::residual set).
+struct NormsLaunchers {
+  void (*rms_norm)(const RmsNormParams& p, cudaStream_t stream);
+  void (*qk_norm_rope)(const QkNormRopeParams& p, cudaStream_t stream);
+};
+DFLASH_DECLARE_ARCH_LAUNCHERS(NormsLaunchers, norms_launchers)
 
 }  // namespace dflash::cuda

@@ -1,8 +1,7 @@
 // CUDA host side of the draft layer's norms (rms_norm, add_rms_norm, qk_norm_rope): the
 // shared input checks, contiguous operands, whether the kernels may move rows in 16-byte
-// accesses, and dispatch to the launchers of the device's architecture (device_info in
-// dispatch.h, the choice every CUDA op shares). No host reads of tensor values: a captured
-// CUDA graph replays them.
+// accesses, the launch. No host reads of tensor values: a captured CUDA graph replays them.
+// Kernels: dflash/cuda/norms.cuh.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,10 +13,12 @@
 
 #include "dflash/checks.h"
 #include "dflash/cuda/dispatch.h"
-#include "dflash/cuda/norm_params.h"
+#include "dflash/cuda/norms_params.h"
 
 namespace dflash::cuda {
 namespace {
+
+constexpr ArchTable<NormsLaunchers> kLaunchers = DFLASH_ARCH_TABLE(norms_launchers);
 
 // Whether the kernels may move `period`-element runs of elements of `element_size` bytes in
 // 16-byte accesses: every run starts on a 16-byte boundary when every base pointer does
@@ -55,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_launch(const at::Tensor& x, const at
   p.eps = static_cast<float>(eps);
   p.dtype = dtype_of(x);
   p.vec = vector_accesses({p.x, p.residual, p.weight, p.sum, p.out}, {d.H}, x.element_size());
-  device_info(x.device()).launchers->rms_norm(p, c10::cuda::getCurrentCUDAStream());
+  kLaunchers[device_info(x.device()).arch].rms_norm(p, c10::cuda::getCurrentCUDAStream());
   return {sum, out};
 }
 
@@ -101,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cuda(const at::Tensor& qkv, cons
   // rows ld apart, heads D apart, each half of a head (D / 2) a run
   p.vec = vector_accesses({p.qkv, p.q_norm_weight, p.k_norm_weight, p.cos, p.sin, p.q, p.k}, {p.ld, d.D / 2},
                           qkv.element_size());
-  device_info(qkv.device()).launchers->qk_norm_rope(p, c10::cuda::getCurrentCUDAStream());
+  kLaunchers[device_info(qkv.device()).arch].qk_norm_rope(p, c10::cuda::getCurrentCUDAStream());
   return {q, k};
 }
 
