@@ -389,3 +389,22 @@ def test_gpu_e2e_script_refuses_without_cuda(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "bench.gpu_e2e --small" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_quick(tmp_path):
+    """bench.batch --tiny: DFlash, target_generate and transformers' generate at each batch
+    size over the same prompts, every DFlash and target_generate row equal to its single
+    output (float32), the speedup against the faster baseline, the table and the plot."""
+    proc = _run("batch", ["--tiny", "--prompts", "5", "--batches", "1", "2", "4", "--max-new-tokens", "8",
+                          "--threads", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "batch.json").read_text())
+    assert [r["batch"] for r in data["rows"]] == [1, 2, 4] and data["prompts"] == 5
+    for row in data["rows"]:
+        for key in ("dflash", "alone", "hf"):
+            assert row[key]["rows"] == 5 and row[key]["tokens"] == 40 and row[key]["tokens_per_second"] > 0
+        assert row["dflash"]["rows_equal"] == row["alone"]["rows_equal"] == 5
+        assert row["baseline"] in ("alone", "hf")
+        assert row["speedup"] == pytest.approx(row["dflash"]["tokens_per_second"]
+                                               / row[row["baseline"]]["tokens_per_second"])
+        assert 1 <= row["dflash"]["tau"] <= 4 and row["alone"]["steps"] == 8 * -(-5 // row["batch"])
+    assert "speedup" in proc.stdout and (tmp_path / "batch.png").exists()

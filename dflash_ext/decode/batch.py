@@ -206,6 +206,8 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
         logits, hidden, cache = runner(ids, None, hidden_states=drafting, last_logits_only=True)
         clock("verify")
         last = int(sample_token(logits[0, -1:], **sampling)[0])
+        if not drafting:  # the target alone counts its prefill's token as a step, as target_generate does
+            outs[r].res.acceptance_lengths.append(1)
         if outs[r].emit([last]):
             finish(r)
             continue

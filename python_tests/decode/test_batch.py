@@ -192,3 +192,12 @@ def test_sampling_follows_the_target_distribution_in_every_row():
         biased[: n // 3] = sum(t * vocab ** i for i, t in enumerate(greedy[row]))
         assert chi2_goodness_of_fit(biased, probs) < 1e-3, row
     assert sum(a == 1 for r in runs for row in r for a in row.acceptance_lengths) > n  # rejections happened
+
+
+def test_the_target_alone_batched_reports_as_target_generate():
+    target = tiny_family_target("llama")
+    batched = target_generate(target, PROMPTS[:3], 5, stop_token_ids=[singles(target, PROMPTS[:1], 5)[0][2]])
+    alone = [target_generate(target, p, 5, stop_token_ids=batched[0].tokens[-1:]) for p in PROMPTS[:3]]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert [r.acceptance_lengths for r in batched] == [r.acceptance_lengths for r in alone]
+    assert all(r.verify_time > 0 and r.total_time >= r.time_to_first_token for r in batched)
