@@ -378,6 +378,12 @@ def test_gpu_e2e_small(tmp_path):
     assert oracle["ok"] and oracle["static"]["equal_prefix"] == oracle["static"]["tokens"] == 9
     assert oracle["dynamic"]["tau"] > 3
     assert "speedup(τ)" in (tmp_path / "gpu_e2e.txt").read_text()
+    batch = data["batch"]  # the batch sweep: batches 1 and 2, every row its single output (fp32)
+    assert [r["batch"] for r in batch["rows"]] == [1, 2] and batch["prompts"] == 3
+    for r in batch["rows"]:
+        assert r["dflash"]["rows_equal"] == r["alone"]["rows_equal"] == 3
+        assert set(r["speedup_at_tau"]) == {"avg greedy", "MATH-500", "avg T=1"}
+    assert "batched: speedup(τ)" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
