@@ -49,9 +49,11 @@ ORDER = [
     "decode.rollback",   # CacheRollback: the target cache after a rejection, every cache kind
     "decode.runner",     # TargetRunner, static cache, compiled passes
     "decode.verify",     # the verify rule: sample-and-match, the logit processing
+    "decode.output",     # what the loops share: input checks, a row's output, the phase clock, GenerationResult
     "decode.step",       # speculative_step: draft -> verify -> accept -> roll back -> inject
     "decode.autotune",   # every run-time timing: the block size, the target alone
-    "decode.loop",       # spec_generate, target_generate, GenerationResult
+    "decode.batch",      # batch_generate: many prompts, ragged acceptance, the RaggedCache
+    "decode.loop",       # spec_generate, target_generate
     "diagnostics",       # dflash_ext.info(): what was built and what runs here
     "training", "training.recipe", "training.data",
     "training.train_config",  # TrainConfig and the resume rules of --out

@@ -109,20 +109,22 @@ class DraftRuntime:
         self.cache.advance(b, T)
 
     @torch.no_grad()
-    def draft_hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def draft_hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, seqs=None) -> torch.Tensor:
         """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings of
         [last accepted token, MASK...]) at ``positions [Bsz, B]`` against each sequence's
         context; returns the final-normed hidden states [Bsz, B, H]. Block K/V are scratch: the
-        cache is not changed."""
+        cache is not changed. `seqs` (a long tensor [Bsz]): the cache's sequences the blocks
+        belong to (None: all, in order; a batch whose finished rows left drafts the others only)."""
         if self.validate:
             self.cover(int(positions.max()) + 1)
-        return self._layers(block_embeds, positions)
+        return self._layers(block_embeds, positions, seqs)
 
-    def _layers(self, block_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _layers(self, block_embeds: torch.Tensor, positions: torch.Tensor, seqs=None) -> torch.Tensor:
         """:meth:`draft_hidden` at positions the RoPE tables cover already (nothing read on the host)."""
         cos, sin = self.rope
         cos, sin = cos[positions], sin[positions]  # [Bsz, B, D]
         fused, cache = self.fused, self.cache
+        offsets, lens = (cache.offsets, cache.lens) if seqs is None else (cache.offsets[seqs], cache.lens[seqs])
         attention = ops.block_attention if fused else reference.block_attention
         fused_args = dict(max_context=-1 if self.validate else cache.capacity, validate=self.validate) if fused else {}
         scale = self.config.head_dim ** -0.5
@@ -132,7 +134,7 @@ class DraftRuntime:
         x, pending = block_embeds, None  # pending: a fused layer's MLP output, added by the next norm
         for i, layer in enumerate(self.drafter.layers):
             def attend(q, k, v, i=i):  # symmetric: |p - k| < W per query (DFlash2's sliding layers)
-                return attention(q, k, v, cache.k[i], cache.v[i], cache.offsets, cache.lens, scale,
+                return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
                                  window=cache.windows[i], causal=cache.causal[i], symmetric=symmetric[i], **fused_args)
             if fused:
                 x, pending = fused_layer(layer, *weights[i], x, pending, *token_rope, attend)
@@ -144,15 +146,16 @@ class DraftRuntime:
         return ops.rms_norm(x, norm.weight, norm.eps) if pending is None else \
             ops.rms_norm(pending, norm.weight, norm.eps, residual=x)[1]
 
-    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> torch.Tensor:
         """The first n draft tokens [Bsz, n] of the blocks `ids` [Bsz, W + 1] at `positions`: the
         target's embedding of the blocks, :meth:`draft_hidden`, the LM head (over the draft
         vocabulary) and each slot's argmax, or a DFlash2 drafter's selector path. The positions
         must be covered (:meth:`cover`): nothing is read on the host here (with ``validate=False``
-        not by the ops either), so this is what a captured step replays."""
+        not by the ops either), so this is what a captured step replays. `seqs`: as in
+        :meth:`draft_hidden`."""
         if self.embed is None or self.lm_head is None:
             raise ValueError("draft_tokens needs the target's embed and lm_head (DraftRuntime(..., embed=, lm_head=))")
-        hidden = self._layers(self.embed(ids).to(self.dtype), positions)
+        hidden = self._layers(self.embed(ids).to(self.dtype), positions, seqs)
         if self.vocab is None:
             head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         else:
@@ -177,6 +180,20 @@ class DraftRuntime:
         ids = torch.full((1, width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, :1].fill_(last_token)
         return self.draft_tokens(ids, torch.arange(position, position + width + 1, device=self.device)[None], n)[0]
+
+    @torch.no_grad()
+    def draft_rows(self, seqs: Sequence[int], last_tokens: Sequence[int], positions: Sequence[int], width: int,
+                   n: int) -> torch.Tensor:
+        """:meth:`draft` for several sequences at once: the first n draft tokens [len(seqs), n] of
+        the blocks [last_tokens[i], MASK x width] of sequences `seqs` at the positions
+        ``positions[i] .. positions[i] + width``, in one pass of the layers (eagerly: the captured
+        steps are :meth:`draft`'s, one sequence)."""
+        self.cover(max(positions) + width + 1)
+        ids = torch.full((len(seqs), width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor(list(last_tokens), dtype=torch.long, device=self.device)
+        pos = torch.tensor(list(positions), device=self.device)[:, None] + torch.arange(width + 1, device=self.device)
+        every = list(seqs) == list(range(len(self.cache.lengths)))
+        return self.draft_tokens(ids, pos, n, None if every else torch.tensor(list(seqs), device=self.device))
 
     def graph_layout(self) -> tuple:
         """What a captured step reads by address: the cache (new tensors at every growth, which
