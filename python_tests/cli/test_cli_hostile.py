@@ -173,6 +173,13 @@ def test_static_cache_on_a_sliding_window_target_is_a_usage_error(monkeypatch, c
     assert "argument --static-cache:" in err and "dynamic cache" in err
 
 
+def test_static_cache_past_the_memory_is_a_usage_error_naming_max_new_tokens(monkeypatch, capsys):
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (tiny_target(), ChatTokenizer()))
+    err = _usage_error(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "4", "--dtype", "float32",
+                        "--max-new-tokens", str(10 ** 12), "--draft-layers", "1", "--static-cache"], capsys)
+    assert "argument --max-new-tokens: with --static-cache, a static cache of" in err and "bytes" in err, err
+
+
 class _CharTokenizer:
     """A chat template of one token per character (prompt lengths follow the text)."""
     pad_token_id, eos_token_id = 0, 1

@@ -10,7 +10,7 @@ import torch
 from dflash_ext import DFlashDrafter, choose_block_size, spec_generate, target_generate
 from dflash_ext.decode import runner as target_module
 from dflash_ext.decode.rollback import CacheRollback
-from dflash_ext.decode.runner import TargetRunner, compiled_call, static_cache
+from dflash_ext.decode.runner import TargetRunner, cache_kwarg, compiled_call, static_cache
 from python_tests.decode.test_target_families import (NEW_TOKENS, PROMPTS, chi2_goodness_of_fit,
                                                          exact_first_tokens, hf_greedy)
 from dflash_ext.testing.oracle import OracleProposer
@@ -89,6 +89,47 @@ def test_a_static_sliding_window_is_a_clear_error(family):
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     with pytest.raises(NotImplementedError, match="StaticSlidingWindowLayer.*dynamic cache"):
         spec_generate(target, drafter, PROMPTS[1], NEW_TOKENS, static_cache=True)
+
+
+@pytest.mark.parametrize("family", STATIC_FAMILIES + SLIDING)
+def test_a_static_cache_is_refused_with_the_bytes_it_would_allocate(family, monkeypatch):
+    """transformers allocates a static cache whole on its first update: one larger than the memory
+    available is refused before that, naming the exact bytes it would have taken (every layer kind:
+    sliding windows, MLA's latent, linear attention's state counts nothing)."""
+    import dflash_ext.ops.hardware
+
+    target = tiny_family_target(family)
+    cache = static_cache(target, 40)
+    with torch.no_grad():
+        target(input_ids=torch.tensor([PROMPTS[0]]), use_cache=True, **{cache_kwarg(target): cache})
+    allocated = sum(getattr(layer, name).nbytes for layer in cache.layers for name in ("keys", "values")
+                    if isinstance(getattr(layer, name, None), torch.Tensor))
+    monkeypatch.setattr(dflash_ext.ops.hardware, "available_memory", lambda device: allocated - 1)
+    with pytest.raises(ValueError, match=rf"static cache of 40 tokens .* would take {allocated} bytes .*"
+                                         rf"{allocated - 1} bytes .* available .*max_new_tokens"):
+        static_cache(target, 40)
+    monkeypatch.setattr(dflash_ext.ops.hardware, "available_memory", lambda device: allocated)
+    static_cache(target, 40)
+
+
+def test_a_static_cache_past_the_memory_is_refused_before_allocating():
+    """A huge budget (issue 49 item 3) on a target that positions 64 tokens: a ValueError naming the
+    bytes and max_new_tokens, where it was the allocator's error; the dynamic cache runs."""
+    target = tiny_target("llama", max_position_embeddings=64)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    drafter.acceptance_profile = [0.9, 0.8, 0.7]
+    huge = 10 ** 12
+    words = r"static cache of \d+ tokens .* would take \d+ bytes .* 64 tokens: max_position_embeddings.*max_new_tokens"
+    for run in (lambda: spec_generate(target, drafter, PROMPTS[0], huge, static_cache=True),
+                lambda: spec_generate(target, drafter, PROMPTS[0], huge, block_size="auto", static_cache=True),
+                lambda: target_generate(target, PROMPTS[0], huge, static_cache=True),
+                lambda: choose_block_size(target, drafter, 5, static_cache=True, static_cache_len=huge)):
+        with pytest.raises(ValueError, match=words):
+            run()
+    assert len(spec_generate(target, drafter, PROMPTS[0], 20, static_cache=True).tokens) == 20
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="max_cache_len must be an int >= 1"):
+            static_cache(target, bad)
 
 
 def test_auto_block_size_on_a_static_cache():
