@@ -73,11 +73,13 @@ def keep_freed_memory() -> bool:
 
 
 def available_memory(device) -> Optional[int]:
-    """Bytes a new allocation on `device` can take now: CUDA's free memory, the host's
-    MemAvailable (Linux, /proc/meminfo; free pages elsewhere); None where it cannot be known."""
+    """Bytes a new allocation on `device` can take now: CUDA's free memory and what torch's
+    caching allocator holds unused, the host's MemAvailable (Linux, /proc/meminfo; free pages
+    elsewhere); None where it cannot be known."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
     if device.type != "cpu":
         return None
     try:
