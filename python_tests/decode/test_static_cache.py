@@ -142,6 +142,24 @@ def test_auto_block_size_on_a_static_cache():
     assert out.tokens == target_generate(target, PROMPTS[2 % len(PROMPTS)], 20).tokens
 
 
+def test_choose_block_size_range_checks_its_static_cache_and_context():
+    """static_cache_len below the context and a trained block, zero or negative (issue 49 item 4):
+    a ValueError naming it, where it was an IndexError / RuntimeError inside transformers."""
+    target = tiny_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    drafter.acceptance_profile = [0.9, 0.8, 0.7]
+    for bad in (15, 1, 0, -5, 16.0, True):
+        with pytest.raises(ValueError, match=r"static_cache_len must be an int >= .*\(12 \+ 4 = 16 rows"):
+            choose_block_size(target, drafter, 12, static_cache=True, static_cache_len=bad)
+    for bad in (-1, 2.5, None):
+        with pytest.raises(ValueError, match="context_len must be an int >= 0"):
+            choose_block_size(target, drafter, bad, static_cache=True)
+    for bad in ((0, 2), (2, -1), (2.0,)):
+        with pytest.raises(ValueError, match="candidates must be block sizes"):
+            choose_block_size(target, drafter, 12, candidates=bad)
+    assert choose_block_size(target, drafter, 12, static_cache=True, static_cache_len=16).block_size in (1, 2, 3, 4)
+
+
 def test_compiling_is_a_no_op_off_cuda():
     target = tiny_target("llama")
     assert compiled_call(target) is target
