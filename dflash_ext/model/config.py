@@ -319,6 +319,8 @@ class DFlashConfig:
         decoder of a composite model), full rotary at the target's rope theta and scaling
         (:func:`_target_rope`), attention heads by :func:`_drafter_heads`. `tokenizer`, when
         given, picks the mask token (:func:`default_mask_token_id`); `overrides` set any other field."""
+        if type(num_layers) is not int or num_layers < 1:  # bool too; before the layer rule reads it as k
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
         t = target_text_config(target_config)
         L = t.num_hidden_layers
         heads, kv_heads, head_dim = _drafter_heads(t)

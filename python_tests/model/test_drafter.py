@@ -28,6 +28,9 @@ def test_default_target_layers_stay_inside_a_small_target():
     for bad in ((0, 2), (4, 0), (-1, 1), (True, 2), (4, 2.0)):
         with pytest.raises(ValueError, match="num_target_layers|k must"):
             default_target_layer_ids(*bad)
+    for bad in (0, -1, 2.0, True):  # the drafter's layers, named as from_target's argument
+        with pytest.raises(ValueError, match="num_layers must be an int >= 1"):
+            DFlashDrafter.from_target(tiny_target_config("llama"), num_layers=bad)
 
 
 def _drafter(**kw):
