@@ -203,6 +203,10 @@ def check_drafter_fits(drafter, target_config) -> None:
 
 
 def check_layer_ids(layer_ids, num_layers):
+    if layer_ids and len(set(layer_ids)) != len(layer_ids):  # a drafter's config refuses it, after all the work
+        twice = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+        raise UsageError(f"argument --layer-ids: names target layer{'s' if len(twice) > 1 else ''} "
+                         f"{', '.join(map(str, twice))} twice (each layer's features once), got {layer_ids}")
     if layer_ids and max(layer_ids) >= num_layers:
         raise UsageError(f"argument --layer-ids: the target has {num_layers} layers (ids 0..{num_layers - 1}), "
                          f"got {layer_ids}")

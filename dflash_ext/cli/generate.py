@@ -274,8 +274,9 @@ def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, repo
 
 def _check_static_cache(model, max_cache_len: int) -> None:
     """Usage error naming --static-cache where the loop could not roll the target's static
-    cache back (sliding windows that can fill): transformers allocates a cache's layers on
-    their first update, so this probe costs nothing."""
+    cache back (sliding windows that can fill), naming --max-new-tokens where the cache would
+    not fit in memory: transformers allocates a cache's layers on their first update, so
+    this probe costs nothing."""
     from ..decode.rollback import CacheRollback
     from ..decode.runner import static_cache
 
@@ -283,6 +284,8 @@ def _check_static_cache(model, max_cache_len: int) -> None:
         CacheRollback(static_cache(model, max_cache_len), 1)
     except NotImplementedError as e:
         raise UsageError(f"argument --static-cache: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"argument --max-new-tokens: with --static-cache, {e}") from None
 
 
 def cmd_info(args):

@@ -73,8 +73,18 @@ def choose_block_size(target, drafter, context_len: int,
     one batched draft pass and one batched verify pass (which cost more per token than a
     single one: a B chosen alone is not the batch's), so c(B) is timed over `batch_size` rows
     and the expected tokens per second are batch_size * E(B) / c(B)."""
+    if type(context_len) is not int or context_len < 0:  # bool too
+        raise ValueError(f"context_len must be an int >= 0, got {context_len!r}")
+    bad = [b for b in candidates if type(b) is not int or b < 1]
+    if bad:
+        raise ValueError(f"candidates must be block sizes, ints >= 1, got {bad}")
+    trained, timed_context = drafter.config.block_size, max(1, context_len)
+    if static_cache_len is not None and (type(static_cache_len) is not int
+                                         or static_cache_len < timed_context + trained):
+        raise ValueError(f"static_cache_len must be an int >= the timed context and one trained block "
+                         f"({timed_context} + {trained} = {timed_context + trained} rows: the timed passes verify "
+                         f"up to {trained} tokens after the context), got {static_cache_len!r}")
     with streamed_linears(target, drafter, enabled=stream_linears):
-        trained = drafter.config.block_size
         profile = getattr(drafter, "acceptance_profile", None)
         sizes = sorted({b for b in candidates if b <= trained} | {trained})
         if not profile:
@@ -83,7 +93,7 @@ def choose_block_size(target, drafter, context_len: int,
         if runner.compiles:
             sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
         vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
-        context_len = max(1, context_len)
+        context_len = timed_context
         rows = list(range(batch_size))
         context = torch.randint(0, vocab, (batch_size, context_len), device=runner.device)
         # The verified tokens follow the context (a prompt may be shorter than the block).

@@ -5,9 +5,11 @@ sequence's output as it grows (the budget, stop tokens, callbacks, streamer and 
 (:class:`GenerationResult`).
 """
 import math
+import numbers
+import operator
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import Iterable, List
 
 import torch
 
@@ -77,15 +79,37 @@ def prompt_ids(input_ids, target, caller: str) -> torch.Tensor:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """Clear errors for sampling parameters outside their ranges."""
+    """Clear errors for sampling parameters outside their ranges (or not numbers: "1", None, True)."""
     if type(max_new_tokens) is not int or max_new_tokens < 1:  # bool too: True is no budget
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not 0 <= temperature < math.inf:  # also rejects NaN
+    if not _real(temperature) or not 0 <= temperature < math.inf:  # also rejects NaN
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if type(top_k) is not int or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not 0 < top_p <= 1:
+    if not _real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def stop_ids(stop_token_ids) -> set:
+    """`stop_token_ids` (an iterable of token ids: ints, numpy's, 1-element integer tensors) as
+    a set of ints; anything else (None, one bare id, a string, 2.7 that int() would cut to 2,
+    True) is a ValueError naming it."""
+    bad = ValueError(f"stop_token_ids must be an iterable of integer token ids, got {stop_token_ids!r}")
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+        raise bad
+    ids = set()
+    for t in stop_token_ids:
+        if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+            raise bad
+        try:
+            ids.add(operator.index(t))
+        except TypeError:
+            raise bad from None
+    return ids
 
 
 class PhaseClock:
@@ -110,7 +134,7 @@ class RowOutput:
 
     def __init__(self, ids: torch.Tensor, block_size: int, max_new_tokens: int, stop_token_ids, on_tokens, streamer):
         self.res = GenerationResult(tokens=[], block_size=block_size)
-        self.max_new, self.stops = max_new_tokens, set(int(t) for t in stop_token_ids)
+        self.max_new, self.stops = max_new_tokens, stop_ids(stop_token_ids)
         self.on_tokens, self.streamer = on_tokens, streamer
         if streamer is not None:
             streamer.put(ids.cpu())

@@ -95,10 +95,46 @@ def static_cache(target, max_cache_len: int):
     """An empty transformers StaticCache for `target` (its text config: the layer kinds,
     windows and head widths) holding up to `max_cache_len` tokens: prompt, answer and the
     rejected rows of the last verify pass. Its shapes never change, so a pass over it can be
-    compiled and captured (:func:`compiled_call`)."""
+    compiled and captured (:func:`compiled_call`). transformers allocates it on its first
+    update, all of it at once: a cache larger than the device's available memory is refused
+    here, with the bytes it would take, before anything is allocated."""
     from transformers import StaticCache
 
-    return StaticCache(config=target.config, max_cache_len=max_cache_len)
+    from ..model.config import target_text_config
+    from ..ops.hardware import available_memory
+
+    if type(max_cache_len) is not int or max_cache_len < 1:  # bool too
+        raise ValueError(f"max_cache_len must be an int >= 1, got {max_cache_len!r}")
+    cache = StaticCache(config=target.config, max_cache_len=max_cache_len)
+    t, weight = target_text_config(target.config), next(target.parameters())
+    need, free = _static_cache_bytes(cache, t, weight.element_size()), available_memory(weight.device)
+    if free is not None and need > free:
+        limit = getattr(t, "max_position_embeddings", None)
+        raise ValueError(f"a static cache of {max_cache_len} tokens (the prompt, max_new_tokens and one verify "
+                         f"block) would take {need} bytes ({need / 2 ** 30:.1f} GiB) of {weight.device} memory, "
+                         f"{free} bytes ({free / 2 ** 30:.1f} GiB) available"
+                         + (f" (the target positions {limit} tokens: max_position_embeddings)" if limit else "")
+                         + ": ask for fewer max_new_tokens, or leave the static cache off (the dynamic cache grows "
+                         "with the answer)")
+    return cache
+
+
+def _static_cache_bytes(cache, text_config, element_size: int) -> int:
+    """The bytes `cache` (an empty StaticCache) allocates on its first update, from the
+    config of each layer (heterogeneous ones: per_layer_config): its rows (a sliding layer's
+    window) times K and V of its KV heads, or MLA's latent and rope key (kv_lora_rank +
+    qk_rope_head_dim, DeepSeek's cache); layers that hold no rows (linear attention's fixed
+    state, shared K/V) count nothing."""
+    configs = getattr(text_config, "per_layer_config", None) or [text_config] * len(cache.layers)
+    total = 0
+    for layer, c in zip(cache.layers, configs):
+        if getattr(c, "kv_lora_rank", None):
+            width = c.kv_lora_rank + c.qk_rope_head_dim
+        else:
+            heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+            width = 2 * heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        total += getattr(layer, "max_cache_len", 0) * width * element_size
+    return total
 
 
 def compiled_call(target):

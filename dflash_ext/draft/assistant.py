@@ -17,6 +17,15 @@ applies to its own cache has nothing to undo here. A call whose context starts a
 is a new generation and starts a new runtime. It needs no weights but
 the drafter's: embeddings and LM head are the target's, as transformers passes them.
 
+A static target cache (``generate(..., cache_implementation="static")``): transformers sizes it
+to ``max_length - 1`` rows and remembers that size on the target (``_previous_max_cache_length``,
+5.x), but its DFlash candidate generator drafts a whole block even near the end, so the last
+verify pass wrote past the cache (an IndexError in ``StaticLayer.update``). Given the target,
+this adapter returns only the block slots whose verify rows fit in that size: fewer candidates
+near the end, the same tokens (without the target, ``DFlashAssistant(drafter)``, it cannot know). A later dynamic-cache generate on the
+same target keeps that remembered size: its blocks are shortened in the few steps just before
+that position, never past it (the tokens unchanged).
+
 A DFlash2 drafter cannot be an assistant: transformers applies the LM head to the hidden
 states returned here and drafts each slot's argmax, so the candidate selector's path (the
 DFlash2 draft) has no way through; :class:`DFlashAssistant` says so (spec_generate drafts it).
@@ -66,7 +75,7 @@ class DFlashAssistant:
                                       "hidden states, not the DFlash2 candidate selector's path; use "
                                       "dflash_ext.spec_generate")
         _check_transformers()
-        self.drafter, self.fused, self.draft_window = drafter, fused, draft_window
+        self.drafter, self.target, self.fused, self.draft_window = drafter, target, fused, draft_window
         c = drafter.config
         # What transformers reads: a Qwen3 config (its DFlashCache is built from it) plus the DFlash fields.
         # The context lives in our DraftCache, so transformers' cache stays empty; its layers are
@@ -127,4 +136,10 @@ class DFlashAssistant:
             runtime.add_context(0, list(feats), positions[:n])
         hidden = runtime.draft_hidden(noise_embeds.to(self.device, self.dtype), positions[None, n:])
         self.calls += 1
+        # A static cache's size (module docstring). The verify writes the block's positions p, p+1, ...
+        # below it; transformers calls here only while a candidate fits (p <= rows - 2): past that
+        # the size is an earlier call's and this generation's cache is dynamic.
+        rows, p = getattr(self.target, "_previous_max_cache_length", None), int(positions[n])
+        if isinstance(rows, int) and rows - p >= 2:
+            hidden = hidden[:, :rows - p]
         return SimpleNamespace(last_hidden_state=hidden)

@@ -14,8 +14,8 @@ def effective_windows(config: DFlashConfig, draft_window: Optional[int] = None) 
     the query at position p sees the keys at p - W < k <= p. `draft_window` (like the
     authors' --draft-sliding-window-size) caps every layer's window, full ones included,
     for long contexts."""
-    if draft_window is not None and draft_window < 1:
-        raise ValueError(f"draft_window must be >= 1 (or None), got {draft_window}")
+    if draft_window is not None and (type(draft_window) is not int or draft_window < 1):  # bool, 2.5 too
+        raise ValueError(f"draft_window must be an int >= 1 (or None), got {draft_window!r}")
     if not draft_window:
         return config.layer_windows
     return [min(w, draft_window) if w else draft_window for w in config.layer_windows]

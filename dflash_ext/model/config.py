@@ -22,11 +22,16 @@ __all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", 
 def default_target_layer_ids(num_target_layers: int, k: int) -> List[int]:
     """k target layers spread evenly from layer 1 to layer L-3 (the reference's rule), each
     once: on a target with fewer than k such layers the rule repeats one, which adds nothing
-    to the drafter's input and is rejected in a config (so fewer than k are returned)."""
+    to the drafter's input and is rejected in a config (so fewer than k are returned). On a
+    target of fewer than 4 layers the rule reaches below layer 0: its ids are kept inside
+    the target's layers [0, L)."""
+    for name, value in (("num_target_layers", num_target_layers), ("k", k)):
+        if type(value) is not int or value < 1:  # bool too
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if k == 1:
         return [num_target_layers // 2]
     spread = [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
-    return sorted(set(spread))
+    return sorted({min(max(i, 0), num_target_layers - 1) for i in spread})
 
 
 # The config-field rules (what each config.json key does here, each value's type and range,
@@ -314,6 +319,8 @@ class DFlashConfig:
         decoder of a composite model), full rotary at the target's rope theta and scaling
         (:func:`_target_rope`), attention heads by :func:`_drafter_heads`. `tokenizer`, when
         given, picks the mask token (:func:`default_mask_token_id`); `overrides` set any other field."""
+        if type(num_layers) is not int or num_layers < 1:  # bool too; before the layer rule reads it as k
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
         t = target_text_config(target_config)
         L = t.num_hidden_layers
         heads, kv_heads, head_dim = _drafter_heads(t)

@@ -4,14 +4,17 @@ Importing this package loads the compiled extension (:func:`.hardware.load_exten
 which registers ``torch.ops.dflash_ext.<name>``. Each function here calls that op, and the
 fake (meta) kernel registered beside it gives output shapes to ``torch.compile`` and
 FakeTensor tracing. Input checks live in the compiled op (csrc/checks.cpp) and name the
-argument. The rooms beside it: :mod:`.reference` (the plain-PyTorch specification of every
-op, differentiable), :mod:`.linear` (which kernel runs each linear layer) and
+argument; the scalar arguments' kinds are checked here (:func:`_int`, :func:`_float`,
+:func:`_flag`). The rooms beside it: :mod:`.reference` (the plain-PyTorch specification of
+every op, differentiable), :mod:`.linear` (which kernel runs each linear layer) and
 :mod:`.hardware` (what this machine is).
 
 The ops are inference only: they have no backward, so each raises when called with
 gradients wanted (grad mode on and a tensor input that requires grad) rather than return
 an output whose inputs would silently get no gradient.
 """
+import numbers
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -49,6 +52,46 @@ def _check_one_device(**tensors):
                                "all tensors must be on one device")
 
 
+def _int(name: str, value) -> int:
+    """An int argument of an op's schema, checked where the dispatcher would convert: it
+    refuses a float or a string itself (a RuntimeError naming the argument) but takes a bool
+    as 0 / 1, and a cast here would truncate 2.9 to 2. Ints, numpy's and 0-dim integer
+    tensors pass; symbolic ints (torch.compile's) as they are."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if not _is_bool(value):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise RuntimeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _float(name: str, value) -> float:
+    """A float argument: a real number (an int too; a 0-dim tensor of one), never a bool, a
+    string or None. Symbolic floats (torch.compile's) pass as they are."""
+    if isinstance(value, torch.SymFloat):
+        return value
+    real = isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.dim() == 0
+                                               and not value.dtype.is_complex)
+    if real and not _is_bool(value):
+        return float(value)
+    raise RuntimeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+
+
+def _flag(name: str, value) -> bool:
+    """A bool argument: True or False (numpy's too); the dispatcher would take 1 or None."""
+    if _is_bool(value) and not isinstance(value, torch.Tensor):
+        return bool(value)
+    raise RuntimeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _is_bool(value) -> bool:
+    """A bool, numpy's (np.bool_) or a bool tensor."""
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+
+
 def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
                      norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``rms_norm(cat(features, -1) @ fc_weight.T, eps) * norm_weight`` without the concat.
@@ -58,7 +101,7 @@ def project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
     """
     features = list(features)
     _inference_only("project_features", fc_weight, norm_weight, *features)
-    return _ops.project_features(features, fc_weight, norm_weight, float(eps))
+    return _ops.project_features(features, fc_weight, norm_weight, _float("eps", eps))
 
 
 @torch.library.register_fake("dflash_ext::project_features")
@@ -87,7 +130,7 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
     """
     _inference_only("inject_context_kv", ctx, k_weight, v_weight, k_norm_weight, cos, sin, k_cache, v_cache)
     _ops.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, cos, sin, positions, slots,
-                           k_cache, v_cache, float(eps), bool(validate))
+                           k_cache, v_cache, _float("eps", eps), _flag("validate", validate))
 
 
 @torch.library.register_fake("dflash_ext::inject_context_kv")
@@ -134,8 +177,8 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
     """
     _inference_only("block_attention", q, k_block, v_block, k_cache, v_cache)
     return _ops.block_attention(q, k_block, v_block, k_cache, v_cache, cache_offsets, cache_lens,
-                                float(scale), int(window), int(max_context), bool(validate), bool(causal),
-                                bool(symmetric))
+                                _float("scale", scale), _int("window", window), _int("max_context", max_context),
+                                _flag("validate", validate), _flag("causal", causal), _flag("symmetric", symmetric))
 
 
 @torch.library.register_fake("dflash_ext::block_attention")
@@ -200,8 +243,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     """
     _inference_only("rms_norm", x, weight, residual)
     if residual is None:
-        return _ops.rms_norm(x, weight, float(eps))
-    return _ops.add_rms_norm(x, residual, weight, float(eps))
+        return _ops.rms_norm(x, weight, _float("eps", eps))
+    return _ops.add_rms_norm(x, residual, weight, _float("eps", eps))
 
 
 @torch.library.register_fake("dflash_ext::rms_norm")
@@ -226,8 +269,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: 
     v is the view ``qkv[:, (Hq + Hkv) * D:]``. Spec: dflash_ext.reference.qk_norm_rope.
     """
     _inference_only("qk_norm_rope", qkv, q_norm_weight, k_norm_weight, cos, sin)
-    return _ops.qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, int(num_q_heads), int(num_kv_heads),
-                             float(eps))
+    return _ops.qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, _int("num_q_heads", num_q_heads),
+                             _int("num_kv_heads", num_kv_heads), _float("eps", eps))
 
 
 @torch.library.register_fake("dflash_ext::qk_norm_rope")

@@ -12,12 +12,13 @@ import contextlib
 import ctypes
 import os
 import platform
+from typing import Optional
 
 import torch
 
 __all__ = ["cpu_has_bf16_units", "cpu_description", "fastest_dtype", "ISA_LEVELS", "cpu_isa",
            "set_cpu_isa", "forced_cpu_isa", "cpu_paths", "skinny_linear_path", "keep_freed_memory",
-           "require_cpu_features", "load_extension"]
+           "available_memory", "require_cpu_features", "load_extension"]
 
 # The x86 CPU kernels are compiled for AVX2 + FMA + F16C (x86-64-v3).
 REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
@@ -69,6 +70,29 @@ def keep_freed_memory() -> bool:
     libc = ctypes.CDLL(None)
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
+def available_memory(device) -> Optional[int]:
+    """Bytes a new allocation on `device` can take now: CUDA's free memory and what torch's
+    caching allocator holds unused, the host's MemAvailable (Linux, /proc/meminfo; free pages
+    elsewhere); None where it cannot be known."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next((int(l.split()[1]) for l in f if l.startswith("MemAvailable:")), None)
+        if kib is not None:
+            return kib * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def require_cpu_features(cpuinfo_path="/proc/cpuinfo") -> None:

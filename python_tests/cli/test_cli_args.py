@@ -210,6 +210,13 @@ def test_layer_ids_past_the_target_are_refused_before_loading(tmp_path, data, ta
     err = _usage_error(["train", "--data", data, "--out", str(tmp_path / "o"), "--target", target_dir,
                         "--layer-ids", "6"], capsys)
     assert "argument --layer-ids:" in err and "6 layers" in err
+    # a layer named twice (issue 49): gen-data generated, cached and wrote [1, 1], then train died
+    err = _usage_error(gen_data + ["--layer-ids", "1", "3", "1"], capsys)
+    assert "argument --layer-ids: names target layer 1 twice" in err
+    err = _usage_error(["train", "--data", data, "--out", str(tmp_path / "o"), "--target", target_dir,
+                        "--layer-ids", "2", "2", "4", "4"], capsys)
+    assert "argument --layer-ids: names target layers 2, 4 twice" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_init_with_fewer_layers_than_its_own_is_refused_before_loading(tmp_path, data, drafter_dir, nothing_loads,

@@ -173,6 +173,13 @@ def test_static_cache_on_a_sliding_window_target_is_a_usage_error(monkeypatch, c
     assert "argument --static-cache:" in err and "dynamic cache" in err
 
 
+def test_static_cache_past_the_memory_is_a_usage_error_naming_max_new_tokens(monkeypatch, capsys):
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (tiny_target(), ChatTokenizer()))
+    err = _usage_error(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "4", "--dtype", "float32",
+                        "--max-new-tokens", str(10 ** 12), "--draft-layers", "1", "--static-cache"], capsys)
+    assert "argument --max-new-tokens: with --static-cache, a static cache of" in err and "bytes" in err, err
+
+
 class _CharTokenizer:
     """A chat template of one token per character (prompt lengths follow the text)."""
     pad_token_id, eos_token_id = 0, 1
@@ -210,3 +217,25 @@ def test_eval_and_train_measure_tau_at_the_same_stride_by_default(tmp_path, targ
     main(["eval", "--data", data, "--drafter", cfg.out, "--target", target_dir, "--holdout", "2"])
     report = json.loads(capsys.readouterr().out)
     assert report["eval_stride"] == TrainConfig.eval_stride and report["tau"] == pytest.approx(logged, abs=1e-6)
+
+
+def test_a_two_layer_target_gets_target_layers_inside_it(tmp_path, monkeypatch, capsys):
+    """A target of fewer than 4 layers (issue 49 item 2): the default rule's ids stay in [0, L), so a fresh
+    drafter, gen-data's features and train on them all run (before: [-1, 1], "layer -1" cached, train died)."""
+    small = tiny_target(num_hidden_layers=2)
+    target_dir = str(tmp_path / "target")
+    small.config.save_pretrained(target_dir)
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (small, ChatTokenizer()))
+    main(["generate", "--target", target_dir, "--fresh-drafter", "--draft-layers", "3", "--block-size", "4",
+          "--dtype", "float32", "--max-new-tokens", "6"])
+    assert len(capsys.readouterr().out.split()) == 6
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (small, _CharTokenizer()))
+    monkeypatch.setattr("dflash_ext.prompts.training_prompts", lambda name: ["ab", "cd", "ef", "gh"])
+    data = str(tmp_path / "data")
+    main(["gen-data", "--target", target_dir, "--n", "4", "--max-new-tokens", "6", "--dtype", "float32",
+          "--num-features", "2", "--out", data])
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["target_layer_ids"] == [0, 1]
+    out = str(tmp_path / "ckpt")
+    main(["train", "--data", data, "--target", target_dir, "--out", out, "--num-layers", "1", "--block-size", "4",
+          "--max-steps", "1", "--holdout", "1", "--batch-size", "2", "--anchors", "4", "--autocast", "none"])
+    assert DFlashDrafter.from_pretrained(out).config.target_layer_ids == [0, 1]

@@ -59,3 +59,47 @@ def test_the_accepted_forms_decode_alike(models):
     for ids in ([7, 8, 9], torch.tensor([7, 8, 9]), torch.tensor([[7, 8, 9]], dtype=torch.int32)):
         assert spec_generate(target, drafter, ids, 6).tokens == want
         assert target_generate(target, ids, 6).tokens == want
+
+
+# Issue 49, a hostile user's arguments: a TypeError from a comparison ("1" <= 0), int() reading a
+# stop id 2.7 as 2 or None as "not iterable", a draft window of 2.5 refused mid-generation by the
+# attention op as "window": each a ValueError naming the argument, before the prefill.
+ARGUMENTS = [
+    (dict(temperature="1"), "temperature must be a finite number"),
+    (dict(temperature=None), "temperature must be a finite number"),
+    (dict(temperature=True), "temperature must be a finite number"),
+    (dict(temperature=1.0, top_p="0.5"), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=None), r"top_p must be in \(0, 1\]"),
+    (dict(stop_token_ids=None), "stop_token_ids must be an iterable of integer token ids"),
+    (dict(stop_token_ids=2), "stop_token_ids must be an iterable"),
+    (dict(stop_token_ids="2"), "stop_token_ids must be an iterable"),
+    (dict(stop_token_ids=[2.7]), "stop_token_ids must be an iterable"),
+    (dict(stop_token_ids=[True]), "stop_token_ids must be an iterable"),
+    (dict(draft_window=2.5), "draft_window must be an int >= 1"),
+    (dict(draft_window=True), "draft_window must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("kw,match", ARGUMENTS, ids=[f"{list(k)[-1]}={list(k.values())[-1]!r}" for k, _ in ARGUMENTS])
+@pytest.mark.parametrize("loop", ["spec_generate", "target_generate"])
+def test_an_argument_of_the_wrong_kind_is_an_error_naming_it(models, kw, match, loop, monkeypatch):
+    target, drafter = models
+    if loop == "target_generate" and "draft_window" in kw:
+        pytest.skip("target_generate has no draft window")
+    monkeypatch.setattr(target, "forward", lambda *a, **k: 1 / 0)  # refused before the prefill
+    run = (lambda: spec_generate(target, drafter, [1, 2, 3], 4, **kw)) if loop == "spec_generate" \
+        else (lambda: target_generate(target, [1, 2, 3], 4, **kw))
+    with pytest.raises(ValueError, match=match):
+        run()
+
+
+def test_stop_ids_of_every_integer_kind_stop_alike(models):
+    import numpy as np
+
+    target, drafter = models
+    free = target_generate(target, [7, 8, 9], 12).tokens
+    stop = free[5]
+    want = free[:free.index(stop) + 1]
+    for ids in ([stop], (np.int64(stop),), [torch.tensor(stop)], {stop}, torch.tensor([stop])):
+        assert spec_generate(target, drafter, [7, 8, 9], 12, stop_token_ids=ids).tokens == want
+        assert target_generate(target, [7, 8, 9], 12, stop_token_ids=ids).tokens == want

@@ -10,7 +10,7 @@ import torch
 from dflash_ext import DFlashDrafter, choose_block_size, spec_generate, target_generate
 from dflash_ext.decode import runner as target_module
 from dflash_ext.decode.rollback import CacheRollback
-from dflash_ext.decode.runner import TargetRunner, compiled_call, static_cache
+from dflash_ext.decode.runner import TargetRunner, cache_kwarg, compiled_call, static_cache
 from python_tests.decode.test_target_families import (NEW_TOKENS, PROMPTS, chi2_goodness_of_fit,
                                                          exact_first_tokens, hf_greedy)
 from dflash_ext.testing.oracle import OracleProposer
@@ -91,6 +91,47 @@ def test_a_static_sliding_window_is_a_clear_error(family):
         spec_generate(target, drafter, PROMPTS[1], NEW_TOKENS, static_cache=True)
 
 
+@pytest.mark.parametrize("family", STATIC_FAMILIES + SLIDING)
+def test_a_static_cache_is_refused_with_the_bytes_it_would_allocate(family, monkeypatch):
+    """transformers allocates a static cache whole on its first update: one larger than the memory
+    available is refused before that, naming the exact bytes it would have taken (every layer kind:
+    sliding windows, MLA's latent, linear attention's state counts nothing)."""
+    import dflash_ext.ops.hardware
+
+    target = tiny_family_target(family)
+    cache = static_cache(target, 40)
+    with torch.no_grad():
+        target(input_ids=torch.tensor([PROMPTS[0]]), use_cache=True, **{cache_kwarg(target): cache})
+    allocated = sum(getattr(layer, name).nbytes for layer in cache.layers for name in ("keys", "values")
+                    if isinstance(getattr(layer, name, None), torch.Tensor))
+    monkeypatch.setattr(dflash_ext.ops.hardware, "available_memory", lambda device: allocated - 1)
+    with pytest.raises(ValueError, match=rf"static cache of 40 tokens .* would take {allocated} bytes .*"
+                                         rf"{allocated - 1} bytes .* available .*max_new_tokens"):
+        static_cache(target, 40)
+    monkeypatch.setattr(dflash_ext.ops.hardware, "available_memory", lambda device: allocated)
+    static_cache(target, 40)
+
+
+def test_a_static_cache_past_the_memory_is_refused_before_allocating():
+    """A huge budget (issue 49 item 3) on a target that positions 64 tokens: a ValueError naming the
+    bytes and max_new_tokens, where it was the allocator's error; the dynamic cache runs."""
+    target = tiny_target("llama", max_position_embeddings=64)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    drafter.acceptance_profile = [0.9, 0.8, 0.7]
+    huge = 10 ** 12
+    words = r"static cache of \d+ tokens .* would take \d+ bytes .* 64 tokens: max_position_embeddings.*max_new_tokens"
+    for run in (lambda: spec_generate(target, drafter, PROMPTS[0], huge, static_cache=True),
+                lambda: spec_generate(target, drafter, PROMPTS[0], huge, block_size="auto", static_cache=True),
+                lambda: target_generate(target, PROMPTS[0], huge, static_cache=True),
+                lambda: choose_block_size(target, drafter, 5, static_cache=True, static_cache_len=huge)):
+        with pytest.raises(ValueError, match=words):
+            run()
+    assert len(spec_generate(target, drafter, PROMPTS[0], 20, static_cache=True).tokens) == 20
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="max_cache_len must be an int >= 1"):
+            static_cache(target, bad)
+
+
 def test_auto_block_size_on_a_static_cache():
     target = tiny_target("llama")
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
@@ -99,6 +140,24 @@ def test_auto_block_size_on_a_static_cache():
     assert set(choice.step_seconds) == {1, 2, 3, 4}
     out = spec_generate(target, drafter, PROMPTS[2 % len(PROMPTS)], 20, block_size="auto", static_cache=True)
     assert out.tokens == target_generate(target, PROMPTS[2 % len(PROMPTS)], 20).tokens
+
+
+def test_choose_block_size_range_checks_its_static_cache_and_context():
+    """static_cache_len below the context and a trained block, zero or negative (issue 49 item 4):
+    a ValueError naming it, where it was an IndexError / RuntimeError inside transformers."""
+    target = tiny_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    drafter.acceptance_profile = [0.9, 0.8, 0.7]
+    for bad in (15, 1, 0, -5, 16.0, True):
+        with pytest.raises(ValueError, match=r"static_cache_len must be an int >= .*\(12 \+ 4 = 16 rows"):
+            choose_block_size(target, drafter, 12, static_cache=True, static_cache_len=bad)
+    for bad in (-1, 2.5, None):
+        with pytest.raises(ValueError, match="context_len must be an int >= 0"):
+            choose_block_size(target, drafter, bad, static_cache=True)
+    for bad in ((0, 2), (2, -1), (2.0,)):
+        with pytest.raises(ValueError, match="candidates must be block sizes"):
+            choose_block_size(target, drafter, 12, candidates=bad)
+    assert choose_block_size(target, drafter, 12, static_cache=True, static_cache_len=16).block_size in (1, 2, 3, 4)
 
 
 def test_compiling_is_a_no_op_off_cuda():

@@ -77,6 +77,50 @@ def test_accepted_drafts_through_hf_generate_stay_lossless(family, monkeypatch):
     assert max(assistant.acceptance_lengths) == 4 and 2 in assistant.acceptance_lengths
 
 
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_greedy_through_hf_generate_on_a_static_cache_equals_the_target(target, block_size, monkeypatch):
+    """cache_implementation="static" (issue 49 item 5): transformers sizes the target's cache to
+    max_length - 1 rows but verifies a whole block near the end (an IndexError in StaticLayer.update
+    before); the adapter drafts only the slots that fit. Lossless from a fresh target (no cache size
+    remembered from an earlier call) at every budget, with random drafts and with accepted ones."""
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=block_size)
+    for prompt in PROMPTS:
+        for n in (1, 2, 3, 5, 9, 30):
+            monkeypatch.delattr(target, "_previous_max_cache_length", raising=False)
+            hf = hf_generate(target, DFlashAssistant(drafter, target), prompt, n, do_sample=False,
+                             cache_implementation="static")
+            assert hf == target_generate(target, prompt, n).tokens, (prompt, n)
+    prompt = PROMPTS[1]
+    alone = target_generate(target, prompt, 30).tokens
+    cont = alone + [0] * block_size
+    head = target.get_output_embeddings().weight
+    assistant = DFlashAssistant(drafter, target)
+    real_call = type(assistant).__call__
+
+    def oracle(self, noise_embeds, context_hidden_states, position_ids, **kw):  # drafts the target's own tokens
+        out = real_call(self, noise_embeds, context_hidden_states, position_ids, **kw)
+        start = int(position_ids[0, context_hidden_states.shape[1]]) + 1 - len(prompt)
+        tokens = cont[start:start + out.last_hidden_state.shape[1] - 1]
+        if self.calls % 3 == 0 and len(tokens) > 1:
+            tokens[1] = (tokens[1] + 1) % head.shape[0]
+        out.last_hidden_state = torch.cat([out.last_hidden_state[:, :1], head[tokens].detach()[None]], 1)
+        return out
+
+    monkeypatch.setattr(type(assistant), "__call__", oracle)
+    for n in (7, 30):
+        monkeypatch.delattr(target, "_previous_max_cache_length", raising=False)
+        assert hf_generate(target, assistant, prompt, n, do_sample=False, cache_implementation="static") == alone[:n]
+    assert max(assistant.acceptance_lengths) == block_size
+    monkeypatch.setattr(DFlashAssistant, "__call__", real_call)
+    # A dynamic generate past the size the target remembers from the static one: blocks shortened just
+    # before it, full ones after it; the target's tokens, and sampling runs (0 candidates would break it).
+    assert target._previous_max_cache_length == len(prompt) + 30 - 1
+    assistant = DFlashAssistant(drafter, target)
+    assert hf_generate(target, assistant, prompt, 60, do_sample=False) == target_generate(target, prompt, 60).tokens
+    torch.manual_seed(0)
+    assert len(hf_generate(target, assistant, prompt, 60, do_sample=True, temperature=1.0)) == 60
+
+
 def test_hf_path_drafts_the_blocks_spec_generate_drafts(target, monkeypatch):
     """Same drafter, same context: the two loops propose identical blocks, step by step."""
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, seed=3)

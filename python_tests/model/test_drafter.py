@@ -17,6 +17,22 @@ def test_default_target_layers_match_the_reference_rule():
     assert default_target_layer_ids(8, 3) == [1, 3, 5]
 
 
+def test_default_target_layers_stay_inside_a_small_target():
+    """Below 4 layers the reference's rule reaches below layer 0 ([-1, 1] for 2 layers): kept in [0, L)."""
+    for L in range(1, 12):
+        for k in range(1, 8):
+            ids = default_target_layer_ids(L, k)
+            assert ids and ids == sorted(set(ids)) and all(0 <= i < L for i in ids), (L, k, ids)
+            DFlashConfig.for_target(tiny_target_config("llama", num_hidden_layers=L), num_layers=k)  # a valid config
+    assert default_target_layer_ids(2, 2) == [0, 1] and default_target_layer_ids(1, 3) == [0]
+    for bad in ((0, 2), (4, 0), (-1, 1), (True, 2), (4, 2.0)):
+        with pytest.raises(ValueError, match="num_target_layers|k must"):
+            default_target_layer_ids(*bad)
+    for bad in (0, -1, 2.0, True):  # the drafter's layers, named as from_target's argument
+        with pytest.raises(ValueError, match="num_layers must be an int >= 1"):
+            DFlashDrafter.from_target(tiny_target_config("llama"), num_layers=bad)
+
+
 def _drafter(**kw):
     return DFlashDrafter.from_target(tiny_target_config("llama"), num_layers=2, block_size=8, **kw)
 

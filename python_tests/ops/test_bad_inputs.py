@@ -247,3 +247,62 @@ def test_error_messages_keep_their_numbers(device):
     kwargs = to_device(base_kwargs("block_attention"), device)
     with pytest.raises(RuntimeError, match=r"window must be >= 0 \(0 = no window\), got -3"):
         dflash_ext.block_attention(**{**kwargs, "window": -3})
+
+
+# Scalar arguments (issue 49 item 10): the dispatcher refuses a float for an int itself but takes a
+# bool as 0 / 1 (and 1 or None for a bool), and the wrappers' casts truncated 2.9 to 2 and read "1e-6"
+# as a number. Each op's scalars are checked by kind: a RuntimeError naming the argument, nothing run.
+def _norm_kwargs(op):
+    from python_tests.ops.test_norms import make_norm_inputs, make_qkv_inputs
+
+    if op == "qk_norm_rope":
+        qkv, qw, kw, cos, sin = make_qkv_inputs(3, 4, 2, 8, seed=13)
+        return dict(qkv=qkv, q_norm_weight=qw, k_norm_weight=kw, cos=cos, sin=sin, num_q_heads=4, num_kv_heads=2,
+                    eps=1e-6)
+    x, residual, weight = make_norm_inputs((3, 16), seed=12)
+    return dict(x=x, weight=weight, eps=1e-6, **({"residual": residual} if op == "add_rms_norm" else {}))
+
+
+SCALAR_OPS = {**OPS, "qk_norm_rope": dflash_ext.ops.qk_norm_rope, "rms_norm": dflash_ext.ops.rms_norm,
+              "add_rms_norm": dflash_ext.ops.rms_norm}
+SCALARS = {  # op: {argument: its kind}
+    "project_features": {"eps": "float"},
+    "inject_context_kv": {"eps": "float", "validate": "bool"},
+    "block_attention": {"scale": "float", "window": "int", "max_context": "int", "validate": "bool",
+                        "causal": "bool", "symmetric": "bool"},
+    "qk_norm_rope": {"num_q_heads": "int", "num_kv_heads": "int", "eps": "float"},
+    "rms_norm": {"eps": "float"},
+    "add_rms_norm": {"eps": "float"},
+}
+WRONG = {"int": [2.9, 4.0, True, False, "4", None], "float": ["1e-6", True, None, 1j],
+         "bool": [1, 0, None, "yes", torch.tensor(True)]}
+MESSAGE = {"int": "an int", "float": "a real number", "bool": "True or False"}
+
+
+@pytest.mark.parametrize("op,arg,kind", [pytest.param(o, a, k, id=f"{o}-{a}") for o, args in SCALARS.items()
+                                         for a, k in args.items()])
+def test_a_scalar_of_the_wrong_kind_is_refused_naming_it(op, arg, kind):
+    for value in WRONG[kind]:
+        kwargs = _norm_kwargs(op) if op in ("qk_norm_rope", "rms_norm", "add_rms_norm") else base_kwargs(op)
+        kwargs[arg] = value
+        before = [t.clone() for t in tensors_of(kwargs)]
+        with pytest.raises(RuntimeError, match=rf"^{arg} must be {MESSAGE[kind]}, got "):
+            SCALAR_OPS[op](**kwargs)
+        for a, b in zip(before, tensors_of(kwargs)):
+            assert same_or_both_nan(a, b)
+
+
+def test_scalars_of_the_right_kind_in_other_types_give_the_same_output():
+    import numpy as np
+
+    kwargs = _norm_kwargs("qk_norm_rope")
+    want = dflash_ext.ops.qk_norm_rope(**kwargs)
+    for other in (dict(num_q_heads=np.int64(4), num_kv_heads=torch.tensor(2), eps=np.float32(1e-6)),):
+        for got, ref in zip(dflash_ext.ops.qk_norm_rope(**{**kwargs, **other}), want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    kwargs = _norm_kwargs("rms_norm")
+    torch.testing.assert_close(dflash_ext.ops.rms_norm(**{**kwargs, "eps": 0}),
+                               dflash_ext.ops.rms_norm(**{**kwargs, "eps": 0.0}), rtol=0, atol=0)
+    kwargs = base_kwargs("block_attention")
+    torch.testing.assert_close(dflash_ext.block_attention(**{**kwargs, "window": np.int64(2), "causal": np.bool_(True)}),
+                               dflash_ext.block_attention(**{**kwargs, "window": 2, "causal": True}), rtol=0, atol=0)
