@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..draft.proposer import DFlashProposer
+from ..draft.sampling import sample_token
 from ..model.drafter import DFlashDrafter
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
@@ -21,7 +22,7 @@ from .autotune import choose_block_size
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .step import DecodeState, speculative_step
-from .verify import sample_token
+from .verify import VERIFY_RULES
 
 __all__ = ["spec_generate", "target_generate", "GenerationResult", "prompt_ids", "check_sampling"]
 
@@ -163,7 +164,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
                   on_tokens: Optional[Callable[[List[int]], None]] = None,
                   draft_window: Optional[int] = None, streamer=None,
-                  stream_linears: bool = True, static_cache: bool = False) -> GenerationResult:
+                  stream_linears: bool = True, static_cache: bool = False,
+                  verify: Optional[str] = None) -> GenerationResult:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`~.step.speculative_step`, which times and streams.
 
@@ -180,13 +182,23 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     the choice; False: F.linear everywhere). `static_cache`: the target's cache is a
     transformers StaticCache of the prompt, the budget and one block (the rollback lowers its
     length, :mod:`.rollback`), and on CUDA the verify passes of B tokens run compiled, captured
-    in CUDA graphs (:func:`~.runner.compiled_call`); on the CPU the same passes run eagerly."""
+    in CUDA graphs (:func:`~.runner.compiled_call`); on the CPU the same passes run eagerly.
+
+    `verify`: the verify rule at T > 0 (:mod:`.verify`): "rejection" (None: the default; the
+    drafter's drafts sampled from its processed distribution, accepted with min(1, p/q)) or
+    "match" (greedy drafts, accepted while they equal the target's sample). Both emit exactly
+    the target's distribution; at T = 0 both are the greedy match. One `generator` drives the
+    drafting and the verification: a seeded generator gives the same tokens again."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    rule = "rejection" if verify is None else verify
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} (or None), got {verify!r}")
     ids = prompt_ids(input_ids, target, "spec_generate")
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
         device = ids.device
         n_prompt = ids.shape[1]
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if isinstance(drafter, DFlashDrafter):
             trained = drafter.config.block_size
             if block_size == "auto":
@@ -206,7 +218,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
             block = max(B, trained)
             proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + block,
                                       initial_capacity=n_prompt + _FIRST_BLOCKS * block,
-                                      fused=fused, draft_window=draft_window)
+                                      fused=fused, draft_window=draft_window,
+                                      sampling=sampling if rule == "rejection" else None)
             layer_ids = drafter.config.target_layer_ids
         else:
             B, proposer, trained = block_size, drafter, 0
@@ -217,7 +230,6 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
         cache = runner_module.static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
             if static_cache else None
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         out = _Output(ids, B, max_new_tokens, stop_token_ids, on_tokens, streamer)
         res = out.res
         clock = _PhaseClock(device)
@@ -230,7 +242,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         clock("draft")
         while not done:
             verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
+            new = speculative_step(runner, proposer, state, verify_size, sampling, clock, rule)
             before = len(res.tokens)
             done = out.emit(new)
             res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step

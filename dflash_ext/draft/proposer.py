@@ -20,7 +20,10 @@ class DFlashProposer:
     index), the cache lengths live in a device tensor updated in place, and the RoPE tables
     are covered from host counts. So the whole step (block embedding, N layers, final norm,
     LM head, argmax or DFlash2's selector) is captured in a CUDA graph per block size and
-    replayed (`cuda_graph`, default: on for a CUDA drafter with the fused ops). The injection
+    replayed (`cuda_graph`, default: on for a CUDA drafter with the fused ops); with
+    `sampling` (:func:`~.sampling.sample_token`'s keyword arguments; a temperature > 0: the
+    drafts are sampled, for the rejection verify rule) the graph ends at the LM head's logits
+    and the few sampling ops run after it, eagerly, with the sampling's generator. The injection
     after a verify runs eagerly (its token count varies), without a sync. On the CPU nothing
     of this applies: the ops validate and run eagerly.
 
@@ -32,7 +35,7 @@ class DFlashProposer:
     are captured again then: a few times per generation (doubling)."""
 
     def __init__(self, drafter, target, capacity: int, fused: bool = True, draft_window=None, cuda_graph=None,
-                 initial_capacity=None):
+                 initial_capacity=None, sampling=None):
         drafter.check_fits(target.config)
         on_cuda = drafter.fc.weight.device.type == "cuda"
         start = capacity if initial_capacity is None else min(initial_capacity, capacity)
@@ -42,6 +45,8 @@ class DFlashProposer:
                                     cuda_graph=on_cuda and fused if cuda_graph is None else cuda_graph)
         self.layer_ids = drafter.config.target_layer_ids
         self.block_size = drafter.config.block_size
+        # At T > 0 under rejection sampling the drafts are sampled (their q goes to the verifier).
+        self.sampling = sampling if sampling is not None and sampling["temperature"] > 0 else None
         # Every position a block can reach: the cache holds <= capacity tokens, a block adds block_size.
         self.position_limit = capacity + drafter.config.block_size + 1
 
@@ -56,8 +61,10 @@ class DFlashProposer:
         runtime.add_context(0, feats, positions)
 
     @torch.no_grad()
-    def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
-        """n draft tokens following `last_token` at `position`. The drafter always runs
+    def propose(self, last_token: int, position: int, n: int):
+        """n draft tokens following `last_token` at `position`: the greedy ones, or with
+        `sampling` (a temperature > 0) a :class:`~.sampling.Draft` (the tokens sampled from the
+        drafter's processed distribution q, and q). The drafter always runs
         over at least the block it was trained on (the same cost, and the problem it
         learned: fewer mask tokens change every slot's attention), and the LM head runs
         on the first n slots only."""
@@ -65,4 +72,4 @@ class DFlashProposer:
         if position + width >= self.position_limit:
             raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
                                f"{self.position_limit} positions this proposer was made for")
-        return self.runtime.draft(last_token, position, width, n)
+        return self.runtime.draft(last_token, position, width, n, self.sampling)
