@@ -145,15 +145,15 @@ def cmd_generate(args):
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
                   static_cache=args.static_cache)
     if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
-        spec_generate(model, drafter, ids, 8, block_size=args.block_size, **common)
-    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size,
+        spec_generate(model, drafter, ids, 8, block_size=args.block_size, verify=args.verify, **common)
+    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size, verify=args.verify,
                         generator=torch.Generator().manual_seed(args.seed), on_tokens=_Streamer(tok), **common)
     _print_stats("DFlash" if args.block_size > 1 else "DFlash at block size 1: the target alone, nothing drafted", res)
-    report["dflash"] = res.summary()
+    report["dflash"] = dict(res.summary(), verify=args.verify if args.temperature > 0 else "greedy")
     drafted = None
     if best_drafting is not None:
         drafted = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=best_drafting,
-                                generator=torch.Generator().manual_seed(args.seed), **common)
+                                verify=args.verify, generator=torch.Generator().manual_seed(args.seed), **common)
         _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
         report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
