@@ -29,10 +29,10 @@ class DraftRuntime:
       parameters' current values whatever wrote them, at any time (the drafter must keep its
       device and dtype while a runtime drafts with it: the cache is in them);
     - with the target's block `embed`\\ding and `lm_head` (the proposer's case): the draft tokens
-      (:meth:`draft`), the LM head restricted to the drafter's draft vocabulary
-      (:func:`~.head.vocab_head`), sampled at T > 0 (:meth:`sample_draft`), and with `cuda_graph` (a CUDA drafter, `fused`, `validate`
-      False) each block shape's step captured in a CUDA graph and replayed
-      (:class:`~.graphs.CapturedDraftStep`).
+      (:meth:`draft`; sampled at T > 0, :meth:`sample_draft`), the LM head restricted to the
+      drafter's draft vocabulary (:func:`~.head.vocab_head`), and with `cuda_graph` (a CUDA
+      drafter, `fused`, `validate` False) each block shape's step captured in a CUDA graph and
+      replayed (:class:`~.graphs.CapturedDraftStep`).
 
     `fused`: the layers on the fused ops (False: the reference layers, ``DecoderLayer.forward``
     over ``reference.*``). `validate`: the ops check their index values (and
