@@ -36,8 +36,9 @@ VERIFY_RULES = ("rejection", "match")
 
 def match_verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict) -> List[int]:
     """Sample-and-match: the accepted drafts, then the target's own token (see the module)."""
-    target_tokens = sample_token(logits, **sampling).tolist()
-    draft = draft.tolist()
+    n = draft.shape[0]
+    both = torch.cat([draft, sample_token(logits, **sampling)]).tolist()  # one transfer
+    draft, target_tokens = both[:n], both[n:]
     a = 0
     while a < len(draft) and draft[a] == target_tokens[a]:
         a += 1
@@ -87,7 +88,7 @@ def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict, draft_prob
     greedy match); `draft_probs [n, V]`: the drafts' q under "rejection" (None: one-hot).
     Returns between 1 and n + 1 tokens, read on the host in one transfer."""
     if rule not in VERIFY_RULES:
-        raise ValueError(f"verify must be one of {', '.join(VERIFY_RULES)}, got {rule!r}")
+        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {rule!r}")
     if rule == "match" or sampling["temperature"] <= 0:
         return match_verify(draft, logits, sampling)
     p = process_logits(logits, sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0))
