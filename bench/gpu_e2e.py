@@ -24,7 +24,11 @@ every context (1k, then 8k), what compiles nothing first: the target alone (eage
 (`generate(assistant_model=DFlashAssistant(drafter, target))`); then the target alone on the
 static cache (compiled) and our step on it (the B-token verify compiled); last a
 forced-acceptance check (an oracle drafting the target's greedy continuation: the first
-tokens must be the target's). Results go to OUT/gpu_e2e.json (rewritten after each row: a
+tokens must be the target's); then the batch sweep (bench.batch.sweep: --batch-prompts
+prompts of random lengths up to the first context, decoded by DFlash, target_generate and
+transformers' generate in batches of 1, 2, 4, 8, 16, every row checked against its
+single-prompt output; at τ ≈ 1 here, so per batch also speedup(τ) = τ · the target alone's
+ms per batched pass / DFlash's). Results go to OUT/gpu_e2e.json (rewritten after each row: a
 run cut short keeps what it measured) and OUT/gpu_e2e.txt. Off CUDA nothing compiles (the
 same passes run eagerly).
 """
@@ -41,7 +45,7 @@ from bench import _common
 # The paper's τ for Qwen3-8B (H200, transformers backend): average over its benchmarks
 # (greedy), its best benchmark (MATH-500), the average at T = 1 (/work/shared/DESIGN.md §1).
 PAPER_TAUS = {"avg greedy": 6.49, "MATH-500": 7.87, "avg T=1": 5.48}
-ROWS = ["alone", "ours", "hf", "alone_static", "ours_static", "oracle"]
+ROWS = ["alone", "ours", "hf", "alone_static", "ours_static", "oracle", "batch"]
 QWEN3_8B_DRAFTER = dict(num_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33])
 
 
@@ -247,6 +251,10 @@ def parse_args(argv=None):
                          "steps: one compile per pass size; shorter contexts attend over masked rows too, about "
                          "7%% more bytes per pass at 1k of 8k), or 'context' sized per context (fairer, compiles "
                          "again per context)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes of the batch row "
+                    "(default 1 2 4 8 16; small 1 2)")
+    ap.add_argument("--batch-prompts", type=int, default=None, help="prompts of the batch row (default 16; small 3)")
+    ap.add_argument("--batch-new-tokens", type=int, default=None, help="new tokens per prompt (default 32; small 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(_common.OUT_DIR, "gpu_e2e"), help="folder for gpu_e2e.json / .txt")
@@ -255,7 +263,27 @@ def parse_args(argv=None):
     args.contexts = args.contexts or ([24] if args.small else [1024, 8192])
     args.block = args.block or (4 if args.small else 16)
     args.steps = args.steps or (3 if args.small else 20)
+    args.batches = args.batches or ([1, 2] if args.small else [1, 2, 4, 8, 16])
+    args.batch_prompts = args.batch_prompts or (3 if args.small else 16)
+    args.batch_new_tokens = args.batch_new_tokens or (5 if args.small else 32)
     return args
+
+
+def batch_sweep(target, drafter, args, log) -> dict:
+    """bench.batch's sweep over random prompts (8 tokens to the first context), with
+    speedup(τ) per batch at the paper's τ from the measured ms per batched pass."""
+    from bench.batch import report as batch_report
+    from bench.batch import sweep
+
+    g = torch.Generator().manual_seed(args.seed + 1)
+    lengths = torch.randint(8, max(9, args.contexts[0]), (args.batch_prompts,), generator=g).tolist()
+    prompts = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    result = sweep(target, drafter, prompts, args.batches, args.batch_new_tokens, args.block, log=log)
+    for row in result["rows"]:
+        row["speedup_at_tau"] = {name: tau * row["alone"]["ms_per_step"] / row["dflash"]["ms_per_step"]
+                                 for name, tau in PAPER_TAUS.items()}
+    result["table"] = batch_report(result)
+    return result
 
 
 def report(results) -> str:
@@ -285,6 +313,14 @@ def report(results) -> str:
                                           f"# speedup(τ) = τ · t_target / t_step at context {c['context']}"))
     if "oracle" in results:
         lines.append(f"# forced acceptance (oracle drafter): {results['oracle']}")
+    if "batch" in results:
+        lines.append(results["batch"]["table"])
+        lines.append(_common.format_table(
+            [dict(batch=r["batch"], alone=r["alone"]["ms_per_step"], dflash=r["dflash"]["ms_per_step"],
+                  **r["speedup_at_tau"]) for r in results["batch"]["rows"]],
+            [("batch", "batch", "{}"), ("alone", "alone ms/pass", "{:.2f}"), ("dflash", "DFlash ms/step", "{:.2f}")]
+            + [(name, f"speedup at τ {tau}", "{:.2f}x") for name, tau in PAPER_TAUS.items()],
+            "# batched: speedup(τ) = τ · t_alone pass / t_DFlash step, per batch size"))
     return "\n\n".join(lines)
 
 
@@ -342,6 +378,14 @@ def main(argv=None) -> int:
         log(f"oracle: {results['oracle']}")
         if not results["oracle"]["ok"]:
             status = _common.fail(f"forced acceptance: the first tokens differ from the target's: {results['oracle']}")
+    if "batch" in args.rows:
+        from bench.batch import check
+
+        results["batch"] = batch_sweep(target, drafter, args, log)
+        bad = check(results["batch"], exact=dtype == torch.float32)
+        if bad:
+            status = _common.fail("; ".join(bad))
+        save()
     save()
     print(report(results))
     return status

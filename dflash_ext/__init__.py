@@ -39,7 +39,7 @@ _LAZY = {
     "DFlashAssistant": "draft.assistant",
     "spec_generate": "decode.loop",
     "target_generate": "decode.loop",
-    "GenerationResult": "decode.loop",
+    "GenerationResult": "decode.output",
     "choose_block_size": "decode.autotune",
     "BlockSizeChoice": "decode.autotune",
 }

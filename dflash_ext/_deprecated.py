@@ -20,8 +20,8 @@ MOVED = {
         **dict.fromkeys(("context_mask", "block_mask", "windowed_bidirectional_attention"), "model.masks"),
     },
     "decoding": {
-        **dict.fromkeys(("spec_generate", "target_generate", "GenerationResult", "prompt_ids", "check_sampling"),
-                        "decode.loop"),
+        **dict.fromkeys(("spec_generate", "target_generate"), "decode.loop"),
+        **dict.fromkeys(("GenerationResult", "prompt_ids", "check_sampling"), "decode.output"),
         **dict.fromkeys(("speculative_step", "DecodeState"), "decode.step"),
         **dict.fromkeys(("sample_token",), "draft.sampling"),
         **dict.fromkeys(("choose_block_size", "BlockSizeChoice"), "decode.autotune"),

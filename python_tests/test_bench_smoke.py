@@ -399,6 +399,12 @@ def test_gpu_e2e_small(tmp_path):
     assert oracle["ok"] and oracle["static"]["equal_prefix"] == oracle["static"]["tokens"] == 9
     assert oracle["dynamic"]["tau"] > 3
     assert "speedup(τ)" in (tmp_path / "gpu_e2e.txt").read_text()
+    batch = data["batch"]  # the batch sweep: batches 1 and 2, every row its single output (fp32)
+    assert [r["batch"] for r in batch["rows"]] == [1, 2] and batch["prompts"] == 3
+    for r in batch["rows"]:
+        assert r["dflash"]["rows_equal"] == r["alone"]["rows_equal"] == 3
+        assert set(r["speedup_at_tau"]) == {"avg greedy", "MATH-500", "avg T=1"}
+    assert "batched: speedup(τ)" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -410,3 +416,22 @@ def test_gpu_e2e_script_refuses_without_cuda(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "bench.gpu_e2e --small" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_quick(tmp_path):
+    """bench.batch --tiny: DFlash, target_generate and transformers' generate at each batch
+    size over the same prompts, every DFlash and target_generate row equal to its single
+    output (float32), the speedup against the faster baseline, the table and the plot."""
+    proc = _run("batch", ["--tiny", "--prompts", "5", "--batches", "1", "2", "4", "--max-new-tokens", "8",
+                          "--threads", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "batch.json").read_text())
+    assert [r["batch"] for r in data["rows"]] == [1, 2, 4] and data["prompts"] == 5
+    for row in data["rows"]:
+        for key in ("dflash", "alone", "hf"):
+            assert row[key]["rows"] == 5 and row[key]["tokens"] == 40 and row[key]["tokens_per_second"] > 0
+        assert row["dflash"]["rows_equal"] == row["alone"]["rows_equal"] == 5
+        assert row["baseline"] in ("alone", "hf")
+        assert row["speedup"] == pytest.approx(row["dflash"]["tokens_per_second"]
+                                               / row[row["baseline"]]["tokens_per_second"])
+        assert 1 <= row["dflash"]["tau"] <= 4 and row["alone"]["steps"] == 8 * -(-5 // row["batch"])
+    assert "speedup" in proc.stdout and (tmp_path / "batch.png").exists()

@@ -49,10 +49,12 @@ ORDER = [
     "decode",
     "decode.rollback",   # CacheRollback: the target cache after a rejection, every cache kind
     "decode.runner",     # TargetRunner, static cache, compiled passes
-    "decode.verify",     # the verify rules: rejection sampling, sample-and-match
+    "decode.verify",     # the verify rules: rejection sampling, sample-and-match, batched over rows
+    "decode.output",     # what the loops share: input checks, a row's output, the phase clock, GenerationResult
     "decode.step",       # speculative_step: draft -> verify -> accept -> roll back -> inject
     "decode.autotune",   # every run-time timing: the block size, the target alone
-    "decode.loop",       # spec_generate, target_generate, GenerationResult
+    "decode.batch",      # batch_generate: many prompts, ragged acceptance, the RaggedCache
+    "decode.loop",       # spec_generate, target_generate
     "diagnostics",       # dflash_ext.info(): what was built and what runs here
     "training", "training.recipe", "training.data",
     "training.train_config",  # TrainConfig and the resume rules of --out
@@ -70,6 +72,7 @@ MAX_TOP_LEVEL = 4
 MIN_SUBPACKAGES = 6
 MAX_PRIVATE_IMPORTS = 3
 MAX_LINES = 450
+MAX_RESULTS_LINES = 300  # bench/RESULTS.md holds the current figures; older runs go to its history
 PACKAGE = os.path.dirname(dflash_ext.__file__)
 ROOT = os.path.dirname(PACKAGE)
 TESTS = os.path.join(ROOT, "python_tests")
@@ -257,3 +260,11 @@ def test_the_import_rule_sees_test_imports(tmp_path):  # the parser above finds 
         assert _imports_the_tests(tmp_path / "m.py"), line
     (tmp_path / "m.py").write_text("from dflash_ext.testing import targets\n")
     assert not _imports_the_tests(tmp_path / "m.py")
+
+
+def test_results_page_holds_only_the_current_figures():
+    with open(os.path.join(ROOT, "bench", "RESULTS.md")) as f:
+        lines = sum(1 for _ in f)
+    assert lines <= MAX_RESULTS_LINES, (
+        f"bench/RESULTS.md has {lines} lines (> {MAX_RESULTS_LINES}): move superseded figures to "
+        "bench/results/history/notebook-2026.md")

@@ -90,6 +90,35 @@ def prompt_text(text):
     return text
 
 
+def prompts_file(text):
+    """--prompts-file: its prompts (a list of str), read now so that a bad file is a usage error
+    before any model loads: JSONL whose lines are objects with a "prompt" string, or plain
+    text, one prompt per line (blank lines skipped); a line that is a JSON object without a
+    "prompt" string is an error naming the line."""
+    try:
+        with open(text, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {e}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            if not isinstance(record.get("prompt"), str):
+                raise argparse.ArgumentTypeError(f"line {number} of {text} is a JSON object without a \"prompt\" string")
+            prompts.append(record["prompt"])
+        else:  # plain text (a line that happens to be a JSON number or string is still its text)
+            prompts.append(line)
+    if not prompts:
+        raise argparse.ArgumentTypeError(f"{text} holds no prompt")
+    return prompts
+
+
 def target_name(text):
     """--target: a local model folder or a Hugging Face repo id; what can only be a path must exist."""
     from ..model.pretrained import looks_like_local_path

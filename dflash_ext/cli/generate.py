@@ -85,8 +85,8 @@ def cmd_generate(args):
                                  device=args.device)
     except MissingPackage as e:
         raise SystemExit(f"python -m dflash_ext: {e}")
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    many = [_chat_ids(tok, p) for p in args.prompts_file] if args.prompts_file else None
+    ids = many[0] if many else _chat_ids(tok, args.prompt)  # --dtype auto and --baseline time the first prompt
     report = {}
     if measure:
         timings, models = fastest_target_alone(model, ids, args.device)
@@ -127,6 +127,12 @@ def cmd_generate(args):
     if args.static_cache:  # a target whose static cache cannot be rolled back is refused before decoding
         _check_static_cache(model, len(ids) + args.max_new_tokens + drafter.config.block_size)
     stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if many:
+        if args.static_cache:
+            raise UsageError("argument --static-cache: it decodes one prompt; --prompts-file decodes batches on the "
+                             "dynamic cache")
+        baseline = (models[fastest[0]], fastest[1], _config_name(fastest)) if args.baseline else None
+        return _generate_many(args, model, tok, drafter, many, stops, baseline, report)
     best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
         choice = choose_block_size(model, drafter, len(ids), static_cache=args.static_cache,  # its graphs reused
@@ -196,6 +202,73 @@ def cmd_generate(args):
         else:
             print("    sampling (temperature > 0): DFlash follows the target's own distribution; the texts are "
                   "compared only at --temperature 0", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _chat_ids(tok, prompt: str) -> list:
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   return_dict=True)["input_ids"]
+
+
+def _run_batches(run, prompts_ids, size: int) -> tuple:
+    """(one result per prompt, wall seconds): `run(chunk)` over the prompts in batches of `size`."""
+    import time
+
+    start, results = time.perf_counter(), []
+    for i in range(0, len(prompts_ids), size):
+        results += run(prompts_ids[i:i + size])
+    return results, time.perf_counter() - start
+
+
+def _batch_summary(results, wall: float, size: int) -> dict:
+    tokens, steps = sum(len(r.tokens) for r in results), sum(len(r.acceptance_lengths) for r in results)
+    return {"prompts": len(results), "batch_size": size, "new_tokens": tokens, "total_s": wall,
+            "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+            "tau": sum(sum(r.acceptance_lengths) for r in results) / max(1, steps)}
+
+
+def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, report) -> None:
+    """--prompts-file: the prompts in batches of --batch-size (decode/batch.py), each output
+    printed in order (stdout), the totals (stderr) and, with --json, every output."""
+    from ..decode.autotune import choose_block_size
+    from ..decode.loop import spec_generate, target_generate
+
+    size = min(args.batch_size, len(prompts_ids))
+    if args.block_size == "auto":
+        choice = choose_block_size(model, drafter, max(map(len, prompts_ids)), batch_size=size)
+        args.block_size = choice.block_size
+        print(f"[dflash_ext] block size auto -> {choice.block_size} for batches of {size} (profile: "
+              f"{choice.profile_source})", file=sys.stderr)
+    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
+                  generator=torch.Generator().manual_seed(args.seed))
+    results, wall = _run_batches(lambda chunk: spec_generate(model, drafter, chunk, args.max_new_tokens,
+                                                             block_size=args.block_size, verify=args.verify, **common),
+                                 prompts_ids, size)
+    texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in results]
+    for i, text in enumerate(texts):
+        print(f"=== prompt {i} ===\n{text}")
+    summary = report["dflash"] = dict(_batch_summary(results, wall, size), block_size=args.block_size,
+                                      verify=args.verify if args.temperature > 0 else "greedy")
+    report["outputs"] = [dict(prompt=p, text=t, tokens=r.tokens, **r.summary())
+                         for p, t, r in zip(args.prompts_file, texts, results)]
+    print(f"\n--- DFlash: {summary['prompts']} prompts in batches of {size}, block size {args.block_size}: "
+          f"{summary['new_tokens']} tokens in {wall:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
+          f"tau {summary['tau']:.2f}", file=sys.stderr)
+    if baseline is not None:
+        base_model, stream, name = baseline
+        common["generator"] = torch.Generator().manual_seed(args.seed)
+        base, base_wall = _run_batches(lambda chunk: target_generate(base_model, chunk, args.max_new_tokens,
+                                                                     stream_linears=stream, **common),
+                                       prompts_ids, size)
+        report["baseline"] = dict(_batch_summary(base, base_wall, size), config=name)
+        report["speedup"] = base_wall / wall if wall > 0 else None
+        same = [r.tokens == b.tokens for r, b in zip(results, base)]
+        report["identical_to_baseline"] = same if args.temperature == 0 else None
+        print(f"--- target alone ({name}), the same batches: {report['baseline']['tokens_per_second']:.1f} tok/s; "
+              f"DFlash {report['speedup']:.2f}x" + (f"; outputs identical: {sum(same)} of {len(same)}"
+                                                     if args.temperature == 0 else ""), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

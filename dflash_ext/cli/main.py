@@ -12,7 +12,7 @@ import argparse
 from ..decode.verify import VERIFY_RULES
 from .args import (UsageError, drafter_folder, drafter_init, existing_dir, int_from_2, nonnegative_float,
                    nonnegative_int, output_dir, output_file, parse_block_size, positive_float, positive_int,
-                   probability, prompt_text, seed_int, target_name, torch_device, unit_fraction)
+                   probability, prompt_text, prompts_file, seed_int, target_name, torch_device, unit_fraction)
 from .generate import cmd_generate, cmd_info
 from .training import cmd_eval, cmd_export, cmd_gen_data, cmd_train
 
@@ -23,6 +23,11 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="speculative generation with streaming output and statistics")
     g.add_argument("--prompt", type=prompt_text, default="Write a Python function that checks whether a number is prime.")
+    g.add_argument("--prompts-file", type=prompts_file, default=None, metavar="FILE",
+                   help="many prompts (JSONL with a \"prompt\" field, or one prompt per line), decoded in batches of "
+                        "--batch-size (each row accepts its own drafts; full-attention targets): one output per "
+                        "prompt, in order (in --json too); replaces --prompt")
+    g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together with --prompts-file")
     g.add_argument("--target", type=target_name, default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
     g.add_argument("--drafter", type=drafter_folder, default=None, help="DFlash drafter checkpoint folder (reference format); "
                    "default for the embedded target: the one shipped in the package (python -m dflash_ext info)")

@@ -25,7 +25,7 @@ __all__ = ["median_seconds", "BlockSizeChoice", "choose_block_size", "time_targe
 @dataclass
 class BlockSizeChoice:
     block_size: int
-    expected_tokens: dict     # B -> expected tokens per step (1 + sum of the accepted-prefix profile)
+    expected_tokens: dict     # B -> expected tokens per step (1 + sum of the accepted-prefix profile; x rows)
     step_seconds: dict        # B -> measured draft + verify seconds of one step
     tokens_per_second: dict   # B -> expected_tokens / step_seconds
     profile_source: str
@@ -46,7 +46,8 @@ def median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
 @torch.no_grad()
 def choose_block_size(target, drafter, context_len: int,
                       candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True,
-                      static_cache: bool = False, static_cache_len: Optional[int] = None) -> BlockSizeChoice:
+                      static_cache: bool = False, static_cache_len: Optional[int] = None,
+                      batch_size: int = 1) -> BlockSizeChoice:
     """The verify block size B (<= the drafter's trained block) that maximises expected
     tokens per second on this machine:
 
@@ -66,7 +67,12 @@ def choose_block_size(target, drafter, context_len: int,
     compiled and warmed up before it is timed, one CUDA graph each: the candidates are then
     thinned to powers of two and the trained block, within torch._dynamo's recompile limit
     of 8). Each timed pass runs over B new tokens after the whole context, whatever the
-    context's length."""
+    context's length.
+
+    `batch_size` > 1: a batch's step (:mod:`.batch`): every row drafts and verifies B tokens in
+    one batched draft pass and one batched verify pass (which cost more per token than a
+    single one: a B chosen alone is not the batch's), so c(B) is timed over `batch_size` rows
+    and the expected tokens per second are batch_size * E(B) / c(B)."""
     with streamed_linears(target, drafter, enabled=stream_linears):
         trained = drafter.config.block_size
         profile = getattr(drafter, "acceptance_profile", None)
@@ -78,14 +84,21 @@ def choose_block_size(target, drafter, context_len: int,
             sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
         vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
         context_len = max(1, context_len)
-        context = torch.randint(0, vocab, (1, context_len), device=runner.device)
+        rows = list(range(batch_size))
+        context = torch.randint(0, vocab, (batch_size, context_len), device=runner.device)
         # The verified tokens follow the context (a prompt may be shorter than the block).
-        block = torch.randint(0, vocab, (1, trained), device=runner.device)
+        block = torch.randint(0, vocab, (batch_size, trained), device=runner.device)
         cache = runner_module.static_cache(target, static_cache_len or context_len + trained) if static_cache else None
         _, feats, cache = runner(context, cache)
         rollback = CacheRollback(cache, max(sizes))
-        proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
-        proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device))
+        proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1, batch_size=batch_size)
+        for r in rows:
+            proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device), seq=r, index=r)
+
+        def draft(b):
+            if batch_size == 1:
+                return proposer.propose(1, context_len, b - 1)
+            return proposer.propose_rows(rows, [1] * batch_size, [context_len] * batch_size, b - 1)
 
         def verify(n):  # a pass over n tokens that are all rejected: the rollback is part of the step
             runner(block[:, :n], cache, hidden_states=n > 1, rollback=rollback)
@@ -94,8 +107,8 @@ def choose_block_size(target, drafter, context_len: int,
         warmup = 3 if runner.compiles else 0
         expected, seconds, speed = {}, {}, {}
         for b in sizes:
-            expected[b] = 1 + sum(profile[:b - 1])
-            draft_s = median_seconds(lambda: proposer.propose(1, context_len, b - 1)) if b > 1 else 0.0
+            expected[b] = batch_size * (1 + sum(profile[:b - 1]))
+            draft_s = median_seconds(lambda: draft(b)) if b > 1 else 0.0
             seconds[b] = draft_s + median_seconds(lambda: verify(b), warmup=warmup)
             speed[b] = expected[b] / seconds[b]
         best = max(sizes, key=lambda b: speed[b])

@@ -1,14 +1,10 @@
 """The decoding loops: :func:`spec_generate` (DFlash speculative decoding: a prefill, then
 :func:`~.step.speculative_step` until the budget or a stop token) and :func:`target_generate`
-(the target alone, one token per pass: the baseline, same sampling rules), with what they
-share: the input checks (:func:`prompt_ids`, :func:`check_sampling`), the output as it grows
-(the budget, stop tokens, callbacks, streamer and timing: :class:`_Output`) and the result
-(:class:`GenerationResult`).
+(the target alone, one token per pass: the baseline, same sampling rules). A list of prompts
+goes to :mod:`.batch` (:func:`~.batch.batch_generate`: one batch, ragged acceptance); what the
+loops share (checks, output, result) is :mod:`.output`'s.
 """
-import math
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -19,153 +15,28 @@ from ..model.drafter import DFlashDrafter
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
 from .autotune import choose_block_size
+from .batch import RowProposers, batch_generate, check_batchable, per_row, prompt_rows, row_callback
+from .output import GenerationResult, PhaseClock, RowOutput, check_sampling, prompt_ids
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .step import DecodeState, speculative_step
 from .verify import VERIFY_RULES
 
-__all__ = ["spec_generate", "target_generate", "GenerationResult", "prompt_ids", "check_sampling"]
-
-
-@dataclass
-class GenerationResult:
-    """What a loop returns: the tokens generated (prompt excluded), the tokens each verify step
-    emitted (accepted drafts + the target's token; 1 per pass for the target alone), the block
-    size verified, and wall times (draft, verify, total, to the first token) in seconds."""
-    tokens: List[int]                      # generated tokens (prompt excluded)
-    acceptance_lengths: List[int] = field(default_factory=list)  # tokens emitted per verify step
-    block_size: int = 0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    total_time: float = 0.0
-    time_to_first_token: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per verify step (accepted drafts + the target's token)."""
-        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
-
-    @property
-    def histogram(self) -> List[int]:
-        """histogram[j] = number of steps that accepted j draft tokens."""
-        h = [0] * max(1, self.block_size)
-        for n in self.acceptance_lengths:
-            h[n - 1] += 1
-        return h
-
-    @property
-    def other_time(self) -> float:
-        return self.total_time - self.draft_time - self.verify_time
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.tokens) / self.total_time if self.total_time > 0 else 0.0
-
-    def summary(self) -> dict:
-        return {"new_tokens": len(self.tokens), "steps": len(self.acceptance_lengths),
-                "tau": self.tau, "histogram": self.histogram, "block_size": self.block_size,
-                "tokens_per_second": self.tokens_per_second, "total_s": self.total_time,
-                "draft_s": self.draft_time, "verify_s": self.verify_time, "other_s": self.other_time,
-                "time_to_first_token_s": self.time_to_first_token}
-
-
-def prompt_ids(input_ids, target, caller: str) -> torch.Tensor:
-    """`input_ids` ([n] or [1, n]: a list or an integer tensor) as a [1, n] long tensor on the
-    target's device; anything else is a ValueError naming input_ids (not a reshape error, an
-    IndexError inside the embedding, or floats silently cut to ints)."""
-    ids = torch.as_tensor(input_ids)
-    if ids.numel() == 0:
-        raise ValueError(f"input_ids is empty: {caller} needs at least one prompt token to continue")
-    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
-        raise ValueError(f"input_ids must hold integer token ids, got {str(ids.dtype).replace('torch.', '')}")
-    ids = ids[None] if ids.dim() == 1 else ids
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"{caller} decodes one sequence: input_ids must be [n] or [1, n], got shape "
-                         f"{list(ids.shape)}" + (f" (batch {ids.shape[0]})" if ids.dim() == 2 else ""))
-    rows = target.get_input_embeddings().num_embeddings
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= rows:
-        raise ValueError(f"input_ids holds the token id {low if low < 0 else high}, outside the target's "
-                         f"vocabulary [0, {rows})")
-    return ids.to(device=next(target.parameters()).device, dtype=torch.long)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """Clear errors for sampling parameters outside their ranges."""
-    if type(max_new_tokens) is not int or max_new_tokens < 1:  # bool too: True is no budget
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not 0 <= temperature < math.inf:  # also rejects NaN
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if type(top_k) is not int or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+__all__ = ["spec_generate", "target_generate"]
 
 
 # Blocks of answer the drafter's context cache holds before it first grows (spec_generate).
 _FIRST_BLOCKS = 4
 
 
-class _PhaseClock:
-    """Wall time per phase between calls (synchronising CUDA first)."""
-
-    def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.totals = {"draft": 0.0, "verify": 0.0, "other": 0.0}
-        self.t = time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        self.sync()
-        now = time.perf_counter()
-        self.totals[phase] += now - self.t
-        self.t = now
-
-
-class _Output:
-    """One generation's output as it grows: the result, the budget and the stop tokens, the
-    callbacks (`on_tokens`, a Hugging Face `streamer`: ``put`` / ``end``) and the wall clock
-    from the prompt on."""
-
-    def __init__(self, ids: torch.Tensor, block_size: int, max_new_tokens: int, stop_token_ids, on_tokens, streamer):
-        self.res = GenerationResult(tokens=[], block_size=block_size)
-        self.max_new, self.stops = max_new_tokens, set(int(t) for t in stop_token_ids)
-        self.on_tokens, self.streamer = on_tokens, streamer
-        if streamer is not None:
-            streamer.put(ids.cpu())
-        self.start = time.perf_counter()
-
-    def emit(self, new: List[int]) -> bool:
-        """Append `new` up to the budget / a stop token and stream it; True when generation is over."""
-        res = self.res
-        if not res.tokens:
-            res.time_to_first_token = time.perf_counter() - self.start
-        kept = []
-        for t in new:
-            kept.append(t)
-            if t in self.stops or len(res.tokens) + len(kept) >= self.max_new:
-                break
-        res.tokens.extend(kept)
-        if self.on_tokens:
-            self.on_tokens(kept)
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor(kept))
-        return kept[-1] in self.stops or len(res.tokens) >= self.max_new
-
-    def finish(self) -> GenerationResult:
-        if self.streamer is not None:
-            self.streamer.end()
-        self.res.total_time = time.perf_counter() - self.start
-        return self.res
-
-
 @torch.no_grad()
 def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
                   block_size=None, stop_token_ids: Iterable[int] = (), top_k: int = 0,
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
-                  on_tokens: Optional[Callable[[List[int]], None]] = None,
+                  on_tokens: Optional[Callable] = None,
                   draft_window: Optional[int] = None, streamer=None,
                   stream_linears: bool = True, static_cache: bool = False,
-                  verify: Optional[str] = None) -> GenerationResult:
+                  verify: Optional[str] = None) -> Union[GenerationResult, List[GenerationResult]]:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`~.step.speculative_step`, which times and streams.
 
@@ -188,11 +59,28 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     drafter's drafts sampled from its processed distribution, accepted with min(1, p/q)) or
     "match" (greedy drafts, accepted while they equal the target's sample). Both emit exactly
     the target's distribution; at T = 0 both are the greedy match. One `generator` drives the
-    drafting and the verification: a seeded generator gives the same tokens again."""
+    drafting and the verification: a seeded generator gives the same tokens again.
+
+    Many prompts: `input_ids` a list of sequences (lists of ints, [n] or [1, n] tensors; their
+    lengths may differ) or a [b, n] tensor (b > 1) returns a list of GenerationResult, one per
+    prompt, in order, decoded as one batch (:func:`~.batch.batch_generate`: each row accepts its
+    own drafts under the same `verify` rule, a finished row leaves the batch; full-attention
+    targets only, else a NotImplementedError naming the family). `drafter`: a DFlashDrafter or
+    a list of proposer objects, one per prompt; `on_tokens(row, tokens)`; `streamer`: None or a
+    list of one per prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``);
+    no `static_cache`. A list of one prompt runs the single-prompt loop (a list of one result).
+    A single prompt ([n], [1, n] or a flat list of ints) returns one GenerationResult."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     rule = "rejection" if verify is None else verify
     if rule not in VERIFY_RULES:
         raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} (or None), got {verify!r}")
+    rows = prompt_rows(input_ids, target, "spec_generate")
+    if rows is not None:
+        return _spec_generate_batch(target, drafter, rows, max_new_tokens, temperature=temperature,
+                                    block_size=block_size, stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p,
+                                    generator=generator, fused=fused, on_tokens=on_tokens, draft_window=draft_window,
+                                    streamer=streamer, stream_linears=stream_linears, static_cache=static_cache,
+                                    rule=rule)
     ids = prompt_ids(input_ids, target, "spec_generate")
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
@@ -201,25 +89,13 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if isinstance(drafter, DFlashDrafter):
             trained = drafter.config.block_size
-            if block_size == "auto":
-                block_size = choose_block_size(target, drafter, n_prompt, stream_linears=stream_linears,
-                                               static_cache=static_cache,
-                                               static_cache_len=n_prompt + max_new_tokens + trained).block_size
-            B = trained if block_size is None else block_size
-            if type(B) is not int or B < 1:  # bool too: True is no block size
-                raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
+            B = _block_size(target, drafter, block_size, n_prompt, max_new_tokens, stream_linears, static_cache)
             if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
                 return target_generate(target, ids, max_new_tokens, temperature=temperature,
                                        stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
                                        on_tokens=on_tokens, streamer=streamer, static_cache=static_cache)
-            # The proposer runs the drafter over at least its trained block (DFlashProposer.propose).
-            # Its cache is bounded by the budget but starts at the prompt and a few blocks, then
-            # grows with the answer: an answer that stops early never pays for the budget.
-            block = max(B, trained)
-            proposer = DFlashProposer(drafter, target, capacity=n_prompt + max_new_tokens + block,
-                                      initial_capacity=n_prompt + _FIRST_BLOCKS * block,
-                                      fused=fused, draft_window=draft_window,
-                                      sampling=sampling if rule == "rejection" else None)
+            proposer = _proposer(drafter, target, B, n_prompt, max_new_tokens, fused, draft_window,
+                                 sampling=sampling if rule == "rejection" else None)
             layer_ids = drafter.config.target_layer_ids
         else:
             B, proposer, trained = block_size, drafter, 0
@@ -230,9 +106,9 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
         cache = runner_module.static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
             if static_cache else None
-        out = _Output(ids, B, max_new_tokens, stop_token_ids, on_tokens, streamer)
+        out = RowOutput(ids, B, max_new_tokens, stop_token_ids, on_tokens, streamer)
         res = out.res
-        clock = _PhaseClock(device)
+        clock = PhaseClock(device)
         logits, hidden, cache = runner(ids, cache, last_logits_only=True)
         clock("verify")
         state = DecodeState(cache, CacheRollback(cache, B), int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
@@ -252,24 +128,109 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         return res
 
 
+def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: int, stream_linears: bool,
+                static_cache: bool, batch_size: int = 1) -> int:
+    """The verify block: `block_size` (an int), the drafter's (None) or "auto" (timed for this batch)."""
+    trained = drafter.config.block_size
+    if block_size == "auto":
+        block_size = choose_block_size(target, drafter, context_len, stream_linears=stream_linears,
+                                       static_cache=static_cache,
+                                       static_cache_len=context_len + max_new_tokens + trained,
+                                       batch_size=batch_size).block_size
+    B = trained if block_size is None else block_size
+    if type(B) is not int or B < 1:  # bool too: True is no block size
+        raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
+    return B
+
+
+def _proposer(drafter, target, B: int, context_len: int, max_new_tokens: int, fused: bool, draft_window,
+              batch_size: int = 1, sampling=None) -> DFlashProposer:
+    """The drafter against `target` for one generation of `batch_size` sequences of at most
+    `context_len` prompt tokens. It runs the drafter over at least its trained block
+    (DFlashProposer.propose); its cache is bounded by the budget but starts at the prompt
+    and a few blocks, then grows with the answer: an answer that stops early never pays for
+    the budget. `sampling` (the rejection rule): the drafts sampled, with their q."""
+    block = max(B, drafter.config.block_size)
+    return DFlashProposer(drafter, target, capacity=context_len + max_new_tokens + block,
+                          initial_capacity=context_len + _FIRST_BLOCKS * block, fused=fused,
+                          draft_window=draft_window, batch_size=batch_size, sampling=sampling)
+
+
+def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_tokens: int, temperature, block_size,
+                         stop_token_ids, top_k, top_p, generator, fused, on_tokens, draft_window, streamer,
+                         stream_linears, static_cache, rule) -> List[GenerationResult]:
+    """spec_generate over a list of prompts (:func:`~.batch.batch_generate`); a list of one runs
+    the single-prompt loop."""
+    streamers = per_row(streamer, len(rows), "streamer")
+    if isinstance(drafter, (list, tuple)) and len(drafter) != len(rows):
+        raise ValueError(f"drafter: a list of proposers needs one per prompt ({len(rows)}), got {len(drafter)}")
+    if len(rows) == 1:  # a batch of one: the single-prompt loop itself
+        one = drafter[0] if isinstance(drafter, (list, tuple)) else drafter
+        return [spec_generate(target, one, rows[0], max_new_tokens, temperature=temperature, block_size=block_size,
+                              stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
+                              fused=fused, on_tokens=row_callback(on_tokens, 0), draft_window=draft_window,
+                              streamer=streamers[0], stream_linears=stream_linears, static_cache=static_cache,
+                              verify=rule)]
+    if static_cache:
+        raise ValueError("static_cache=True decodes one prompt: a batch of prompts runs on the dynamic cache")
+    check_batchable(target)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    common = dict(stop_token_ids=stop_token_ids, on_tokens=on_tokens, streamers=streamers)
+    longest = max(ids.shape[1] for ids in rows)
+    models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
+    with streamed_linears(*models, enabled=stream_linears):
+        if isinstance(drafter, DFlashDrafter):
+            B = _block_size(target, drafter, block_size, longest, max_new_tokens, stream_linears, False, len(rows))
+            if B == 1:  # nothing to draft: the target alone, batched
+                return batch_generate(target, None, rows, max_new_tokens, 1, sampling, **common)
+            proposer = _proposer(drafter, target, B, longest, max_new_tokens, fused, draft_window, len(rows),
+                                 sampling=sampling if rule == "rejection" else None)
+            layer_ids = drafter.config.target_layer_ids
+        else:
+            if not isinstance(drafter, (list, tuple)):
+                raise ValueError("drafter: a batch of prompts takes a DFlashDrafter or a list of proposer objects, "
+                                 f"one per prompt (a proposer drafts one sequence), got {type(drafter).__name__}")
+            B = block_size
+            if type(B) is not int or B < 1:
+                raise ValueError(f"block_size must be an int >= 1 with proposer objects, got {B!r}")
+            proposer = RowProposers(drafter, next(target.parameters()).device)
+            layer_ids = getattr(drafter[0], "layer_ids", None)
+        return batch_generate(target, proposer if B > 1 else None, rows, max_new_tokens, B, sampling,
+                              layer_ids=layer_ids, rule=rule, **common)
+
+
 @torch.no_grad()
 def target_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0,
                     stop_token_ids: Iterable[int] = (), top_k: int = 0, top_p: float = 1.0,
                     generator: Optional[torch.Generator] = None,
-                    on_tokens: Optional[Callable[[List[int]], None]] = None, streamer=None,
-                    stream_linears: bool = False, static_cache: bool = False) -> GenerationResult:
+                    on_tokens: Optional[Callable] = None, streamer=None, stream_linears: bool = False,
+                    static_cache: bool = False) -> Union[GenerationResult, List[GenerationResult]]:
     """The target alone, one token per forward pass (the baseline, same sampling rules).
     `stream_linears`: its linear layers run through skinny_linear where it streams
     (:func:`~dflash_ext.ops.linear.streamed_linears`; default off: F.linear, as HF `generate`
     runs them). `static_cache`: a StaticCache of the prompt and the budget, the one-token
     passes compiled on CUDA (CUDA graphs, as transformers' generate runs a static cache there),
-    eager on the CPU."""
+    eager on the CPU. A list of prompts: as :func:`spec_generate`'s, one batch, a list of
+    results."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    rows = prompt_rows(input_ids, target, "target_generate")
+    if rows is not None:  # a list of prompts: one batch (a list of one: the single-prompt loop)
+        streamers = per_row(streamer, len(rows), "streamer")
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        if len(rows) == 1:
+            return [target_generate(target, rows[0], max_new_tokens, stop_token_ids=stop_token_ids,
+                                    on_tokens=row_callback(on_tokens, 0), streamer=streamers[0],
+                                    stream_linears=stream_linears, static_cache=static_cache, **sampling)]
+        if static_cache:
+            raise ValueError("static_cache=True decodes one prompt: a batch of prompts runs on the dynamic cache")
+        with streamed_linears(target, enabled=stream_linears):
+            return batch_generate(target, None, rows, max_new_tokens, 1, sampling, stop_token_ids=stop_token_ids,
+                                  on_tokens=on_tokens, streamers=streamers)
     with streamed_linears(target, enabled=stream_linears):
-        check_sampling(max_new_tokens, temperature, top_k, top_p)
         ids = prompt_ids(input_ids, target, "target_generate")
         runner = TargetRunner(target, compiled_sizes=(1,) if static_cache else ())
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        out = _Output(ids, 1, max_new_tokens, stop_token_ids, on_tokens, streamer)
+        out = RowOutput(ids, 1, max_new_tokens, stop_token_ids, on_tokens, streamer)
         cache = runner_module.static_cache(target, ids.shape[1] + max_new_tokens) if static_cache else None
         done = False
         while not done:

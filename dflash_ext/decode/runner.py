@@ -68,25 +68,26 @@ class TargetRunner:
         return self.compiled
 
     def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False,
-                 rollback: Optional[CacheRollback] = None):
-        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n];
-        `last_logits_only`: logits [1, 1, V] of the last position only (a prefill needs no
+                 rollback: Optional[CacheRollback] = None, **rows):
+        """(logits [b, n, V], hidden states or None, cache) of one pass over `ids` [b, n];
+        `last_logits_only`: logits [b, 1, V] of the last position only (a prefill needs no
         more; as in `generate`, which also rounds them the same way then). `rollback`: the
         cache's :class:`CacheRollback` (a pass redone must be undone first; without one the
-        cache must crop)."""
+        cache must crop). `rows`: a batch's `position_ids` and `attention_mask` (the model's
+        own arguments; :mod:`.batch`), passed as given."""
         want = self.select if hidden_states else False
         if rollback is not None:
             rollback.check_pass(ids.shape[1])
         keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
         out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want,
-                                                 **{self.cache_arg: cache}, **keep)
+                                                 **{self.cache_arg: cache}, **keep, **rows)
         hs = out.hidden_states
         if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
                                                       for i in self.needed):
             self.select = True  # this model cannot select: ask for all from now on, and redo this pass
             if cache is not None:
                 rollback(ids.shape[1]) if rollback is not None else drop_tail(cache, ids.shape[1])
-            return self(ids, cache, hidden_states, last_logits_only, rollback)
+            return self(ids, cache, hidden_states, last_logits_only, rollback, **rows)
         return out.logits, hs, returned_cache(out)
 
 

@@ -12,6 +12,7 @@ from typing import Callable, List
 
 import torch
 
+from ..draft.sampling import split_draft
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .verify import verify
@@ -45,7 +46,7 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
     each phase ends, for the caller's timing only."""
     drafted = proposer.propose(state.last, state.pos, verify_size - 1) \
         if verify_size > 1 else torch.empty(0, dtype=torch.long)
-    draft, draft_probs = drafted if isinstance(drafted, tuple) else (drafted, None)  # tokens, or (tokens, q)
+    draft, draft_probs = split_draft(drafted)
     draft = draft.to(runner.device)
     draft_probs = None if draft_probs is None else draft_probs.to(runner.device)
     clock("draft")

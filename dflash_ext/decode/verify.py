@@ -15,13 +15,14 @@ both exact (every emitted sequence follows the target's own law):
   target's own sample. A draft the target gives probability 0 (outside its top-k / top-p) is
   always rejected; a residual that is zero everywhere (p_k = q_k: a rejection there has
   probability 0, up to rounding) samples p_k.
-- **match** (sample-and-match, :func:`match_verify`; greedy at T = 0 whatever the rule): the
+- **match** (sample-and-match; greedy at T = 0 whatever the rule): the
   target's token at each position is its argmax at T = 0, else a sample of p_k; the longest
   prefix where the drafts equal those tokens is accepted, plus the target's token at the first
   mismatch. It never reads how the drafts were chosen (the proposer drafts its argmax).
 
-:func:`verify` picks the rule; the loop reads one thing on the host per step either way (the
-emitted tokens, the accepted count among them).
+:func:`verify` picks the rule for one sequence, :func:`verify_rows` for the rows of a batch
+(:mod:`.batch`: each row under its own q, in the same batched ops); the loops read one thing
+on the host per step either way (the emitted tokens, the accepted count among them).
 """
 from typing import List, Optional
 
@@ -29,20 +30,9 @@ import torch
 
 from ..draft.sampling import process_logits, sample_token
 
-__all__ = ["VERIFY_RULES", "verify", "match_verify", "rejection_law", "rejection_sample"]
+__all__ = ["VERIFY_RULES", "verify", "verify_rows", "rejection_law", "rejection_sample"]
 
 VERIFY_RULES = ("rejection", "match")
-
-
-def match_verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict) -> List[int]:
-    """Sample-and-match: the accepted drafts, then the target's own token (see the module)."""
-    n = draft.shape[0]
-    both = torch.cat([draft, sample_token(logits, **sampling)]).tolist()  # one transfer
-    draft, target_tokens = both[:n], both[n:]
-    a = 0
-    while a < len(draft) and draft[a] == target_tokens[a]:
-        a += 1
-    return target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
 
 
 def rejection_law(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor):
@@ -79,19 +69,36 @@ def rejection_sample(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], t
     return accepted, candidates.gather(-1, accepted[..., None])[..., 0]
 
 
-def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict, draft_probs: Optional[torch.Tensor] = None,
-           rule: str = "match") -> List[int]:
-    """The tokens one verify pass emits: the accepted drafts, then the target's token.
-    `draft [n]`: the drafted tokens; `logits [n + 1, V]`: the target's logits at the block's
-    positions (the last accepted token, then the drafts); `sampling`: :func:`sample_token`'s
-    keyword arguments; `rule`: one of :data:`VERIFY_RULES` (at temperature 0 both are the
-    greedy match); `draft_probs [n, V]`: the drafts' q under "rejection" (None: one-hot).
-    Returns between 1 and n + 1 tokens, read on the host in one transfer."""
+def verify_rows(drafts: torch.Tensor, logits: torch.Tensor, sampling: dict,
+                draft_probs: Optional[torch.Tensor] = None, rule: str = "match") -> List[List[int]]:
+    """The tokens one verify pass emits in each row of a batch: the accepted drafts, then the
+    target's token. `drafts [R, n]`: the drafted tokens; `logits [R, n + 1, V]`: the target's
+    logits at the blocks' positions (each row's last accepted token, then its drafts);
+    `sampling`: :func:`sample_token`'s keyword arguments; `rule`: one of :data:`VERIFY_RULES`
+    (at temperature 0 both are the greedy match); `draft_probs [R, n, V]`: each row's q under
+    "rejection" (None: one-hot). Every row drawn in the same few batched ops; returns per row
+    between 1 and n + 1 tokens, read on the host in one transfer."""
     if rule not in VERIFY_RULES:
         raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {rule!r}")
-    if rule == "match" or sampling["temperature"] <= 0:
-        return match_verify(draft, logits, sampling)
+    n = drafts.shape[-1]
+    if rule == "match" or sampling["temperature"] <= 0:  # sample-and-match (the module)
+        rows = torch.cat([drafts, sample_token(logits, **sampling)], -1).tolist()
+        out = []
+        for row in rows:
+            draft, target_tokens = row[:n], row[n:]
+            a = 0
+            while a < n and draft[a] == target_tokens[a]:
+                a += 1
+            out.append(target_tokens[:a + 1])  # the accepted drafts equal the target's tokens
+        return out
     p = process_logits(logits, sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0))
-    accepted, token = rejection_sample(draft, draft_probs, p.softmax(-1), sampling.get("generator"))
-    a, *drafts, last = torch.cat([accepted[None], draft, token[None]]).tolist()
-    return drafts[:a] + [last]
+    accepted, token = rejection_sample(drafts, draft_probs, p.softmax(-1), sampling.get("generator"))
+    rows = torch.cat([accepted[:, None], drafts, token[:, None]], -1).tolist()
+    return [row[1:1 + row[0]] + [row[-1]] for row in rows]
+
+
+def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict, draft_probs: Optional[torch.Tensor] = None,
+           rule: str = "match") -> List[int]:
+    """:func:`verify_rows` of one sequence: `draft [n]`, `logits [n + 1, V]`, `draft_probs [n, V]`."""
+    return verify_rows(draft[None], logits[None], sampling, None if draft_probs is None else draft_probs[None],
+                       rule)[0]

@@ -32,15 +32,19 @@ class DFlashProposer:
     then grows geometrically as tokens are accepted (:class:`~.cache.DraftCache`), and the
     RoPE tables with it, so memory follows what is generated. A growth gives the cache (and
     the tables) new addresses and the attention a new static bound, so the captured graphs
-    are captured again then: a few times per generation (doubling)."""
+    are captured again then: a few times per generation (doubling).
+
+    `batch_size`: sequences drafted together (a batch of prompts, :mod:`dflash_ext.decode.batch`),
+    each with its own context (`capacity` rows each): :meth:`accept` names the sequence,
+    :meth:`propose_rows` drafts several in one pass (eagerly)."""
 
     def __init__(self, drafter, target, capacity: int, fused: bool = True, draft_window=None, cuda_graph=None,
-                 initial_capacity=None, sampling=None):
+                 initial_capacity=None, batch_size: int = 1, sampling=None):
         drafter.check_fits(target.config)
         on_cuda = drafter.fc.weight.device.type == "cuda"
         start = capacity if initial_capacity is None else min(initial_capacity, capacity)
         self.runtime = DraftRuntime(drafter, start, max_capacity=capacity, draft_window=draft_window, fused=fused,
-                                    validate=not on_cuda, embed=block_embedding(target),
+                                    validate=not on_cuda, embed=block_embedding(target), batch_size=batch_size,
                                     lm_head=target.get_output_embeddings(),
                                     cuda_graph=on_cuda and fused if cuda_graph is None else cuda_graph)
         self.layer_ids = drafter.config.target_layer_ids
@@ -51,14 +55,15 @@ class DFlashProposer:
         self.position_limit = capacity + drafter.config.block_size + 1
 
     @torch.no_grad()
-    def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None:
+    def accept(self, hidden_states, rows: slice, positions: torch.Tensor, seq: int = 0, index: int = 0) -> None:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
         tokens in `rows` of the last target pass, at `positions` (those tokens' positions, in
-        order after the context the proposer holds)."""
+        order after the context the proposer holds), into sequence `seq`'s context; `index`:
+        the pass's batch row they are in."""
         runtime = self.runtime
-        feats = [hidden_states[l + 1][0, rows].to(runtime.dtype) for l in self.layer_ids]
-        runtime.cover(runtime.cache.lengths[0] + feats[0].shape[0])  # a host count: no device read
-        runtime.add_context(0, feats, positions)
+        feats = [hidden_states[l + 1][index, rows].to(runtime.dtype) for l in self.layer_ids]
+        runtime.cover(runtime.cache.lengths[seq] + feats[0].shape[0])  # a host count: no device read
+        runtime.add_context(seq, feats, positions)
 
     @torch.no_grad()
     def propose(self, last_token: int, position: int, n: int):
@@ -68,8 +73,21 @@ class DFlashProposer:
         over at least the block it was trained on (the same cost, and the problem it
         learned: fewer mask tokens change every slot's attention), and the LM head runs
         on the first n slots only."""
-        width = max(n, self.block_size - 1)  # mask tokens in the block
+        width = self._width(position, n)
+        return self.runtime.draft(last_token, position, width, n, self.sampling)
+
+    @torch.no_grad()
+    def propose_rows(self, seqs, last_tokens, positions, n: int):
+        """:meth:`propose` for the sequences `seqs` at once (one draft pass): the greedy tokens
+        [len(seqs), n], or with `sampling` a :class:`~.sampling.Draft` of them and their q
+        [len(seqs), n, V] (row i's q is row i's own, as :meth:`propose` returns it)."""
+        return self.runtime.draft_rows(seqs, last_tokens, positions, self._width(max(positions), n), n,
+                                       self.sampling)
+
+    def _width(self, position: int, n: int) -> int:
+        """The mask tokens of a block drafting n tokens after `position` (checked against the positions made for)."""
+        width = max(n, self.block_size - 1)
         if position + width >= self.position_limit:
             raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
                                f"{self.position_limit} positions this proposer was made for")
-        return self.runtime.draft(last_token, position, width, n, self.sampling)
+        return width

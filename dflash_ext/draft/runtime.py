@@ -110,20 +110,22 @@ class DraftRuntime:
         self.cache.advance(b, T)
 
     @torch.no_grad()
-    def draft_hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def draft_hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, seqs=None) -> torch.Tensor:
         """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings of
         [last accepted token, MASK...]) at ``positions [Bsz, B]`` against each sequence's
         context; returns the final-normed hidden states [Bsz, B, H]. Block K/V are scratch: the
-        cache is not changed."""
+        cache is not changed. `seqs` (a long tensor [Bsz]): the cache's sequences the blocks
+        belong to (None: all, in order; a batch whose finished rows left drafts the others only)."""
         if self.validate:
             self.cover(int(positions.max()) + 1)
-        return self._layers(block_embeds, positions)
+        return self._layers(block_embeds, positions, seqs)
 
-    def _layers(self, block_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _layers(self, block_embeds: torch.Tensor, positions: torch.Tensor, seqs=None) -> torch.Tensor:
         """:meth:`draft_hidden` at positions the RoPE tables cover already (nothing read on the host)."""
         cos, sin = self.rope
         cos, sin = cos[positions], sin[positions]  # [Bsz, B, D]
         fused, cache = self.fused, self.cache
+        offsets, lens = (cache.offsets, cache.lens) if seqs is None else (cache.offsets[seqs], cache.lens[seqs])
         attention = ops.block_attention if fused else reference.block_attention
         fused_args = dict(max_context=-1 if self.validate else cache.capacity, validate=self.validate) if fused else {}
         scale = self.config.head_dim ** -0.5
@@ -133,7 +135,7 @@ class DraftRuntime:
         x, pending = block_embeds, None  # pending: a fused layer's MLP output, added by the next norm
         for i, layer in enumerate(self.drafter.layers):
             def attend(q, k, v, i=i):  # symmetric: |p - k| < W per query (DFlash2's sliding layers)
-                return attention(q, k, v, cache.k[i], cache.v[i], cache.offsets, cache.lens, scale,
+                return attention(q, k, v, cache.k[i], cache.v[i], offsets, lens, scale,
                                  window=cache.windows[i], causal=cache.causal[i], symmetric=symmetric[i], **fused_args)
             if fused:
                 x, pending = fused_layer(layer, *weights[i], x, pending, *token_rope, attend)
@@ -145,33 +147,36 @@ class DraftRuntime:
         return ops.rms_norm(x, norm.weight, norm.eps) if pending is None else \
             ops.rms_norm(pending, norm.weight, norm.eps, residual=x)[1]
 
-    def _final_hidden(self, ids: torch.Tensor, positions: torch.Tensor):
+    def _final_hidden(self, ids: torch.Tensor, positions: torch.Tensor, seqs=None):
         """(final hidden states [Bsz, W + 1, H] in the head's dtype, (head weight, bias)) of the
-        blocks `ids` at covered `positions`: the target's embedding of the blocks and the layers."""
+        blocks `ids` at covered `positions`: the target's embedding of the blocks and the layers
+        (`seqs`: as in :meth:`draft_hidden`)."""
         if self.embed is None or self.lm_head is None:
             raise ValueError("drafting needs the target's embed and lm_head (DraftRuntime(..., embed=, lm_head=))")
-        hidden = self._layers(self.embed(ids).to(self.dtype), positions)
+        hidden = self._layers(self.embed(ids).to(self.dtype), positions, seqs)
         if self.vocab is None:
             head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         else:
             head = self.vocab_weight, self.vocab_bias
         return hidden.to(head[0].dtype), head
 
-    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> torch.Tensor:
         """The first n greedy draft tokens [Bsz, n] of the blocks `ids` [Bsz, W + 1] at
         `positions`: the target's embedding of the blocks, :meth:`draft_hidden`, the LM head
         (over the draft vocabulary) and each slot's argmax, or a DFlash2 drafter's selector
         path. The positions must be covered (:meth:`cover`): nothing is read on the host here
-        (with ``validate=False`` not by the ops either), so this is what a captured step replays."""
-        hidden, head = self._final_hidden(ids, positions)
+        (with ``validate=False`` not by the ops either), so this is what a captured step replays.
+        `seqs`: as in :meth:`draft_hidden`."""
+        hidden, head = self._final_hidden(ids, positions, seqs)
         selector = getattr(self.drafter, "candidate_selector", None)  # DFlash2
         return draft_tokens(hidden, *head, vocab=self.vocab, n=n, selector=selector, anchor=ids[:, 0])
 
-    def draft_logits(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> tuple:
+    def draft_logits(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> tuple:
         """(hidden [Bsz, n, H], logits [Bsz, n, V']) of the first n prediction slots of the blocks
         `ids` at covered `positions`: what a sampled draft (:meth:`sample_draft`) is drawn from,
-        and what a captured step replays at T > 0 (the sampling itself runs after the replay)."""
-        hidden, head = self._final_hidden(ids, positions)
+        and what a captured step replays at T > 0 (the sampling itself runs after the replay).
+        `seqs`: as in :meth:`draft_hidden`."""
+        hidden, head = self._final_hidden(ids, positions, seqs)
         return hidden[:, 1:n + 1], draft_logits(hidden, *head, n)
 
     def sample_draft(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, sampling: dict) -> Draft:
@@ -187,25 +192,41 @@ class DraftRuntime:
         or with `sampling` (:func:`~.sampling.sample_token`'s keyword arguments, temperature >
         0) a :class:`~.sampling.Draft` of them and their q [n, V]. With `cuda_graph`, a replay
         of the step captured for (width, n) (at T > 0: up to the logits, the sampling after
-        it), captured anew once what it reads changed (:meth:`graph_layout`)."""
+        it), captured anew once what it reads changed (:meth:`graph_layout`); without, one row
+        of :meth:`draft_rows`."""
+        if not self.cuda_graph:
+            out = self.draft_rows([0], [last_token], [position], width, n, sampling)
+            return out[0] if sampling is None else Draft(out.tokens[0], out.probs[0])
         self.cover(position + width + 1)
         sampled = sampling is not None
-        if self.cuda_graph:
-            step = self._graphs.get((width, n, sampled))
-            if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
-                self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
-                step = self._graphs[(width, n, sampled)] = CapturedDraftStep(self, width, n, sampled)
-            out = step(last_token, position)
-        else:
-            ids = torch.full((1, width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
-            ids[:, :1].fill_(last_token)
-            positions = torch.arange(position, position + width + 1, device=self.device)[None]
-            out = (self.draft_logits if sampled else self.draft_tokens)(ids, positions, n)
+        step = self._graphs.get((width, n, sampled))
+        if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
+            self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
+            step = self._graphs[(width, n, sampled)] = CapturedDraftStep(self, width, n, sampled)
+        out = step(last_token, position)
         if not sampled:
             return out[0]
         anchor = torch.full((1,), last_token, dtype=torch.long, device=self.device)
         tokens, probs = self.sample_draft(*out, anchor, sampling)
         return Draft(tokens[0], probs[0])
+
+    @torch.no_grad()
+    def draft_rows(self, seqs: Sequence[int], last_tokens: Sequence[int], positions: Sequence[int], width: int,
+                   n: int, sampling: Optional[dict] = None):
+        """:meth:`draft` for several sequences at once: the first n draft tokens [len(seqs), n] of
+        the blocks [last_tokens[i], MASK x width] of sequences `seqs` at the positions
+        ``positions[i] .. positions[i] + width``, in one pass of the layers (eagerly: the captured
+        steps are :meth:`draft`'s, one sequence); with `sampling` a :class:`~.sampling.Draft`
+        of them and their q [len(seqs), n, V] (row i's q drawn from row i's logits)."""
+        self.cover(max(positions) + width + 1)
+        ids = torch.full((len(seqs), width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor(list(last_tokens), dtype=torch.long, device=self.device)
+        pos = torch.tensor(list(positions), device=self.device)[:, None] + torch.arange(width + 1, device=self.device)
+        every = list(seqs) == list(range(len(self.cache.lengths)))
+        which = None if every else torch.tensor(list(seqs), device=self.device)
+        if sampling is None:
+            return self.draft_tokens(ids, pos, n, which)
+        return self.sample_draft(*self.draft_logits(ids, pos, n, which), ids[:, 0], sampling)
 
     def graph_layout(self) -> tuple:
         """What a captured step reads by address: the cache (new tensors at every growth, which

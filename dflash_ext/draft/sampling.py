@@ -16,7 +16,7 @@ import torch
 
 from ..model.layers import CandidateSelector
 
-__all__ = ["process_logits", "sample_token", "Draft", "sample_draft"]
+__all__ = ["process_logits", "sample_token", "Draft", "split_draft", "sample_draft"]
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -61,6 +61,12 @@ class Draft(NamedTuple):
     A proposer that returns plain tokens proposes them with certainty (q one-hot)."""
     tokens: torch.Tensor
     probs: torch.Tensor
+
+
+def split_draft(proposed):
+    """What a proposer returned as (tokens, q): a :class:`Draft`'s, or plain tokens and None
+    (proposed with certainty: q one-hot to the verify rule)."""
+    return tuple(proposed) if isinstance(proposed, tuple) else (proposed, None)
 
 
 def sample_draft(hidden: torch.Tensor, logits: torch.Tensor, vocab_size: int, sampling: dict,

@@ -105,3 +105,41 @@ def test_generate_verify_picks_the_rule_at_temperature_above_zero(tiny_run, monk
     _, report = tiny_run(capsys, "--temperature", "1.0", "--verify", rule, "--block-size", "4")
     assert seen and set(seen) == {rule}
     assert report["dflash"]["verify"] == rule
+
+
+class _TextTokenizer(_Tokenizer):
+    """A tokenizer whose ids follow the text: each character's code (mod 200), one token each."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, return_dict=True):
+        return {"input_ids": [ord(c) % 200 for c in messages[-1]["content"]]}
+
+
+def test_generate_a_prompts_file_in_batches(monkeypatch, tmp_path, capsys):
+    """--prompts-file (JSONL or plain lines) --batch-size: one output per prompt, in order, each
+    the target alone's greedy output (the baseline decodes the same batches), in --json too."""
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target",
+                        lambda path=None, dtype=torch.float32, device="cpu", tokenizer=True:
+                        (tiny_target().to(dtype), _TextTokenizer()))
+    prompts = ["a", "a longer prompt, of some thirty chars", "third", "x" * 60, "fifth"]
+    jsonl, plain = tmp_path / "p.jsonl", tmp_path / "p.txt"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
+    plain.write_text("\n".join(prompts) + "\n\n")
+    reports = []
+    for path in (jsonl, plain):
+        out = tmp_path / "report.json"
+        main(["generate", "--prompts-file", str(path), "--batch-size", "2", "--baseline", "--fresh-drafter",
+              "--draft-layers", "1", "--max-new-tokens", "6", "--threads", "1", "--dtype", "float32", "--block-size",
+              "4", "--json", str(out)])
+        stdout = capsys.readouterr().out
+        reports.append(json.loads(out.read_text()))
+        assert [line for line in stdout.splitlines() if line.startswith("===")] == \
+            [f"=== prompt {i} ===" for i in range(len(prompts))]
+    report = reports[0]
+    assert [o["prompt"] for o in report["outputs"]] == prompts and report["dflash"]["batch_size"] == 2
+    assert report["identical_to_baseline"] == [True] * len(prompts)
+    assert [o["tokens"] for o in report["outputs"]] == [o["tokens"] for o in reports[1]["outputs"]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompts-file", str(bad)])
+    assert 'line 2 of' in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Prompts and loop arguments that cannot be decoded are a ValueError naming the argument,
-in spec_generate and target_generate alike (dflash_ext.decode.loop.prompt_ids, check_sampling):
+in spec_generate and target_generate alike (dflash_ext.decode.output.prompt_ids, check_sampling):
 never a reshape error, an IndexError inside the embedding, floats cut to token ids, or a
 block size of 0 read as "the drafter's"."""
 import pytest
@@ -23,7 +23,8 @@ BAD_PROMPTS = [
     (torch.tensor([[1.5, 2.0]]), "integer token ids, got float32"),
     (torch.tensor([True, False]), "integer token ids, got bool"),
     (torch.tensor([[[1, 2]]]), "got shape \\[1, 1, 2\\]"),
-    (torch.tensor([[1, 2], [3, 4]]), "decodes one sequence.*batch 2"),
+    ([[1, 2], [5, 10 ** 6]], "prompts\\[1\\]: input_ids holds the token id 1000000"),  # a batch: its bad row named
+    ([[1, 2], torch.tensor([[[3]]])], "prompts\\[1\\]: .*got shape \\[1, 1, 1\\]"),
 ]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
-from dflash_ext.decode.loop import check_sampling
+from dflash_ext.decode.output import check_sampling
 from dflash_ext.draft.sampling import sample_token
 from dflash_ext.testing.targets import tiny_target
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DFlash end to end at Qwen3-8B's shapes on one GPU, in one device call (about 9 minutes):
+# DFlash end to end at Qwen3-8B's shapes on one GPU, in one device call (about 13 minutes with the batch sweep):
 #   0. refuses at once without CUDA (its Python part runs on the CPU as
 #      `python -m bench.gpu_e2e --small`, the smoke test);
 #   1. records the machine; installs the wheels carried in .whl/ (tools/gpu/wheels.txt:
@@ -12,7 +12,9 @@
 #      compiled verify), transformers' DFlash loop; then the forced-acceptance check. The
 #      compiles (reduce-overhead: CUDA graphs) happen in the untimed warm-up steps and are
 #      the budget's largest part; the JSON is rewritten after each row, so a run cut short
-#      keeps the rows before it.
+#      keeps the rows before it;
+#   5. the batch sweep (bench.gpu_e2e --rows batch: DFlash and the target alone over 16
+#      prompts in batches of 1, 2, 4, 8, 16, each row checked; OUT_DIR/batch/gpu_e2e.json).
 # Usage: tools/gpu/gpu_e2e.sh [OUT_DIR]   (default: $OUT, else ./gpu_e2e_out)
 # Every step logs to OUT_DIR/<step>.log, OUT_DIR/summary.txt has one line per step, the
 # results are OUT_DIR/gpu_e2e.json and .txt; the exit code is non-zero when a step failed.
@@ -57,6 +59,9 @@ if ! step build 150 build; then
 fi
 step tests 50 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda --junitxml="$OUT_DIR/tests.xml" \
   python_tests/decode/test_static_cache.py
-step gpu_e2e 270 "$PY" -m bench.gpu_e2e --device cuda --out "$OUT_DIR"
+step gpu_e2e 270 "$PY" -m bench.gpu_e2e --device cuda --out "$OUT_DIR" \
+  --rows alone ours hf alone_static ours_static oracle
+# The batch sweep (DFlash and the target alone batched, 1..16 prompts; bench.batch), its own step and JSON.
+step gpu_batch 240 "$PY" -m bench.gpu_e2e --device cuda --rows batch --out "$OUT_DIR/batch"
 cat "$SUMMARY"
 exit "$failed"
