@@ -196,7 +196,8 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
     or :class:`RowProposers`) at verify block `block_size`, or the target alone (`proposer`
     None, `block_size` 1). `rule`: the verify rule (:func:`~.verify.verify_rows`, every row in
     the same batched ops, each under its own q where ``propose_rows`` returns a
-    :class:`~dflash_ext.draft.sampling.Draft`). `on_tokens(row, tokens)` and ``streamers[row]`` receive each row's tokens.
+    :class:`~dflash_ext.draft.sampling.Draft`). `on_tokens(row, tokens)` and ``streamers[row]``
+    receive each row's tokens.
     A row's times are the batch's while it was in it (the batch's phases are shared)."""
     check_batchable(target)
     runner = TargetRunner(target, layer_ids)

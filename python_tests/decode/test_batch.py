@@ -190,8 +190,10 @@ def test_sampling_follows_the_target_distribution_in_every_row(rule, proposer):
     g = torch.Generator().manual_seed(1234)
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=3, seed=5)
 
-    def draft():
-        return drafter if proposer == "drafter" else [OracleProposer(gr, len(p), vocab) for gr, p in zip(greedy, prompts)]
+    def draft():  # fresh oracles per run (they count their calls)
+        if proposer == "drafter":
+            return drafter
+        return [OracleProposer(gr, len(p), vocab) for gr, p in zip(greedy, prompts)]
 
     runs = [spec_generate(target, draft(), prompts, k, temperature=1.0, block_size=2 if proposer == "oracle" else 3,
                           generator=g, verify=rule) for _ in range(n)]
