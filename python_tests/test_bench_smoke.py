@@ -98,6 +98,27 @@ def test_e2e_quick(tmp_path):
         assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
+def test_e2e_temperatures_and_verify_rules(tmp_path):
+    """--temperature 0.7 1.0 --verify rejection match: one configuration each on the same
+    prompts, each in its own JSON, and the summary of all (tau, accepted drafts per step,
+    tokens/s, the speedup over the target alone)."""
+    out = tmp_path / "e2e.json"
+    proc = _run("e2e", [
+        "--quick", "--sets", "--prompts", "What is the capital of France?", "--max-new-tokens", "8",
+        "--block-size", "4", "--threads", "1", "--dtype", "float32", "--no-progress", "--no-warmup",
+        "--temperature", "0.7", "1.0", "--verify", "rejection", "match", "--json", str(out), "--png", ""])
+    rows = json.loads(out.read_text())["configs"]
+    assert [(r["temperature"], r["verify"]) for r in rows] == [
+        (0.7, "rejection"), (0.7, "match"), (1.0, "rejection"), (1.0, "match")]
+    for r in rows:
+        assert 1.0 <= r["tau"] <= 4 and r["accepted_drafts_per_step"] == pytest.approx(r["tau"] - 1)
+        assert r["dflash_tokens_per_s"] > 0 and r["target_tokens_per_s"] > 0 and r["speedup"] > 0
+        data = json.loads((tmp_path / f"e2e_T{r['temperature']:g}_{r['verify']}.json").read_text())
+        assert data["metadata"]["temperature"] == r["temperature"] and data["metadata"]["verify"] == r["verify"]
+    assert "accepted drafts/step" in proc.stdout
+
+
 # --------------------------------------------------------------------------- bench_ops
 
 def _bench_module(name):

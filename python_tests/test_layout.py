@@ -40,6 +40,7 @@ ORDER = [
     "draft",
     "draft.cache",       # DraftCache (the context cache), effective_windows
     "draft.layers",      # the fused decoder layer, the stacked weights it reads
+    "draft.sampling",    # the logit processing and token sampling (drafter and target), the sampled draft
     "draft.head",        # block_embedding, the draft vocabulary's LM head, draft_tokens
     "draft.graphs",      # CUDA graphs of the draft step
     "draft.runtime",     # DraftRuntime: one generation's drafting
@@ -48,7 +49,7 @@ ORDER = [
     "decode",
     "decode.rollback",   # CacheRollback: the target cache after a rejection, every cache kind
     "decode.runner",     # TargetRunner, static cache, compiled passes
-    "decode.verify",     # the verify rule: sample-and-match, the logit processing
+    "decode.verify",     # the verify rules: rejection sampling, sample-and-match, batched over rows
     "decode.output",     # what the loops share: input checks, a row's output, the phase clock, GenerationResult
     "decode.step",       # speculative_step: draft -> verify -> accept -> roll back -> inject
     "decode.autotune",   # every run-time timing: the block size, the target alone

@@ -151,15 +151,15 @@ def cmd_generate(args):
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
                   static_cache=args.static_cache)
     if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
-        spec_generate(model, drafter, ids, 8, block_size=args.block_size, **common)
-    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size,
+        spec_generate(model, drafter, ids, 8, block_size=args.block_size, verify=args.verify, **common)
+    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size, verify=args.verify,
                         generator=torch.Generator().manual_seed(args.seed), on_tokens=_Streamer(tok), **common)
     _print_stats("DFlash" if args.block_size > 1 else "DFlash at block size 1: the target alone, nothing drafted", res)
-    report["dflash"] = res.summary()
+    report["dflash"] = dict(res.summary(), verify=args.verify if args.temperature > 0 else "greedy")
     drafted = None
     if best_drafting is not None:
         drafted = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=best_drafting,
-                                generator=torch.Generator().manual_seed(args.seed), **common)
+                                verify=args.verify, generator=torch.Generator().manual_seed(args.seed), **common)
         _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
         report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
@@ -244,11 +244,13 @@ def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, repo
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
                   generator=torch.Generator().manual_seed(args.seed))
     results, wall = _run_batches(lambda chunk: spec_generate(model, drafter, chunk, args.max_new_tokens,
-                                                             block_size=args.block_size, **common), prompts_ids, size)
+                                                             block_size=args.block_size, verify=args.verify, **common),
+                                 prompts_ids, size)
     texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in results]
     for i, text in enumerate(texts):
         print(f"=== prompt {i} ===\n{text}")
-    summary = report["dflash"] = dict(_batch_summary(results, wall, size), block_size=args.block_size)
+    summary = report["dflash"] = dict(_batch_summary(results, wall, size), block_size=args.block_size,
+                                      verify=args.verify if args.temperature > 0 else "greedy")
     report["outputs"] = [dict(prompt=p, text=t, tokens=r.tokens, **r.summary())
                          for p, t, r in zip(args.prompts_file, texts, results)]
     print(f"\n--- DFlash: {summary['prompts']} prompts in batches of {size}, block size {args.block_size}: "

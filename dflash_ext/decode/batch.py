@@ -24,10 +24,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..draft.sampling import Draft, sample_token, split_draft
 from .output import GenerationResult, PhaseClock, RowOutput, prompt_ids
 from .rollback import drop_tail
 from .runner import TargetRunner
-from .verify import sample_token, verify
+from .verify import verify_rows
 
 __all__ = ["batch_generate", "prompt_rows", "per_row", "check_batchable", "RaggedCache", "RowProposers",
            "COMPACT_AT"]
@@ -172,21 +173,31 @@ class RowProposers:
         own = None if hidden_states is None else tuple(None if h is None else h[index:index + 1] for h in hidden_states)
         self.proposers[seq].accept(own, rows, positions)
 
-    def propose_rows(self, seqs, last_tokens, positions, n: int) -> torch.Tensor:
-        return torch.stack([self.proposers[s].propose(t, p, n).to(self.device)
-                            for s, t, p in zip(seqs, last_tokens, positions)])
+    def propose_rows(self, seqs, last_tokens, positions, n: int):
+        """The rows' drafts stacked [rows, n], or a :class:`~dflash_ext.draft.sampling.Draft` of
+        them and their q stacked [rows, n, V] where the proposers return their q."""
+        drafts = [split_draft(self.proposers[s].propose(t, p, n)) for s, t, p in zip(seqs, last_tokens, positions)]
+        tokens = torch.stack([t.to(self.device) for t, _ in drafts])
+        sampled = [q is not None for _, q in drafts]
+        if not any(sampled):
+            return tokens
+        if not all(sampled):
+            raise ValueError("drafter: the proposers of a batch return their q all or none (a Draft, or plain tokens)")
+        return Draft(tokens, torch.stack([q.to(self.device) for _, q in drafts]))
 
 
 @torch.no_grad()
 def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_tokens: int, block_size: int,
                    sampling: dict, stop_token_ids=(), on_tokens=None, streamers=None, layer_ids=None,
-                   verify_row=verify) -> List[GenerationResult]:
+                   rule: str = "match") -> List[GenerationResult]:
     """One GenerationResult per prompt ([1, n_i] tensors), in order: DFlash over the batch with
     `proposer` (``accept(hidden states, rows, positions, seq, index)`` and ``propose_rows(seqs,
     last tokens, positions, n)``: a batched :class:`~dflash_ext.draft.proposer.DFlashProposer`
     or :class:`RowProposers`) at verify block `block_size`, or the target alone (`proposer`
-    None, `block_size` 1). `verify_row(drafts, logits [n + 1, V], sampling)` is the verify rule,
-    called per row. `on_tokens(row, tokens)` and ``streamers[row]`` receive each row's tokens.
+    None, `block_size` 1). `rule`: the verify rule (:func:`~.verify.verify_rows`, every row in
+    the same batched ops, each under its own q where ``propose_rows`` returns a
+    :class:`~dflash_ext.draft.sampling.Draft`). `on_tokens(row, tokens)` and ``streamers[row]``
+    receive each row's tokens.
     A row's times are the batch's while it was in it (the batch's phases are shared)."""
     check_batchable(target)
     runner = TargetRunner(target, layer_ids)
@@ -223,18 +234,16 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
     while alive:
         rows = len(alive)
         verify_size = min(block_size, max(max_new_tokens - len(outs[r].res.tokens) for r in alive) + 1)
-        if verify_size > 1:
-            drafts = proposer.propose_rows(alive, lasts, pos, verify_size - 1).to(device)
-        else:
-            drafts = torch.empty(rows, 0, dtype=torch.long, device=device)
+        drafts, probs = split_draft(proposer.propose_rows(alive, lasts, pos, verify_size - 1)) if verify_size > 1 \
+            else (torch.empty(rows, 0, dtype=torch.long), None)
+        drafts, probs = drafts.to(device), None if probs is None else probs.to(device)
         clock("draft")
         block = torch.cat([torch.tensor(lasts, device=device)[:, None], drafts], 1)
         positions = torch.tensor(pos, device=device)[:, None] + torch.arange(verify_size, device=device)
         logits, hidden, ragged.cache = runner(block, ragged.cache, hidden_states=drafting and verify_size > 1,
                                               position_ids=positions, attention_mask=ragged.attention_mask(verify_size))
         clock("verify")
-        drafted = drafts.tolist()
-        news = [verify_row(drafted[i], logits[i], sampling) for i in range(rows)]
+        news = verify_rows(drafts, logits, sampling, probs, rule)
         ragged.accept([len(new) for new in news], verify_size)
         clock("other")
         if drafting and verify_size > 1:

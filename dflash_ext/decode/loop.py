@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..draft.proposer import DFlashProposer
+from ..draft.sampling import sample_token
 from ..model.drafter import DFlashDrafter
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
@@ -19,7 +20,7 @@ from .output import GenerationResult, PhaseClock, RowOutput, check_sampling, pro
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .step import DecodeState, speculative_step
-from .verify import sample_token
+from .verify import VERIFY_RULES
 
 __all__ = ["spec_generate", "target_generate"]
 
@@ -34,8 +35,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                   top_p: float = 1.0, generator: Optional[torch.Generator] = None, fused: bool = True,
                   on_tokens: Optional[Callable] = None,
                   draft_window: Optional[int] = None, streamer=None,
-                  stream_linears: bool = True,
-                  static_cache: bool = False) -> Union[GenerationResult, List[GenerationResult]]:
+                  stream_linears: bool = True, static_cache: bool = False,
+                  verify: Optional[str] = None) -> Union[GenerationResult, List[GenerationResult]]:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`~.step.speculative_step`, which times and streams.
 
@@ -54,27 +55,38 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     length, :mod:`.rollback`), and on CUDA the verify passes of B tokens run compiled, captured
     in CUDA graphs (:func:`~.runner.compiled_call`); on the CPU the same passes run eagerly.
 
+    `verify`: the verify rule at T > 0 (:mod:`.verify`): "rejection" (None: the default; the
+    drafter's drafts sampled from its processed distribution, accepted with min(1, p/q)) or
+    "match" (greedy drafts, accepted while they equal the target's sample). Both emit exactly
+    the target's distribution; at T = 0 both are the greedy match. One `generator` drives the
+    drafting and the verification: a seeded generator gives the same tokens again.
+
     Many prompts: `input_ids` a list of sequences (lists of ints, [n] or [1, n] tensors; their
     lengths may differ) or a [b, n] tensor (b > 1) returns a list of GenerationResult, one per
     prompt, in order, decoded as one batch (:func:`~.batch.batch_generate`: each row accepts its
-    own drafts, a finished row leaves the batch; full-attention targets only, else a
-    NotImplementedError naming the family). `drafter`: a DFlashDrafter or a list of proposer
-    objects, one per prompt; `on_tokens(row, tokens)`; `streamer`: None or a list of one per
-    prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``); no
-    `static_cache`. A list of one prompt runs the single-prompt loop (a list of one result).
+    own drafts under the same `verify` rule, a finished row leaves the batch; full-attention
+    targets only, else a NotImplementedError naming the family). `drafter`: a DFlashDrafter or
+    a list of proposer objects, one per prompt; `on_tokens(row, tokens)`; `streamer`: None or a
+    list of one per prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``);
+    no `static_cache`. A list of one prompt runs the single-prompt loop (a list of one result).
     A single prompt ([n], [1, n] or a flat list of ints) returns one GenerationResult."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    rule = "rejection" if verify is None else verify
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} (or None), got {verify!r}")
     rows = prompt_rows(input_ids, target, "spec_generate")
     if rows is not None:
         return _spec_generate_batch(target, drafter, rows, max_new_tokens, temperature=temperature,
                                     block_size=block_size, stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p,
                                     generator=generator, fused=fused, on_tokens=on_tokens, draft_window=draft_window,
-                                    streamer=streamer, stream_linears=stream_linears, static_cache=static_cache)
+                                    streamer=streamer, stream_linears=stream_linears, static_cache=static_cache,
+                                    rule=rule)
     ids = prompt_ids(input_ids, target, "spec_generate")
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
         device = ids.device
         n_prompt = ids.shape[1]
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if isinstance(drafter, DFlashDrafter):
             trained = drafter.config.block_size
             B = _block_size(target, drafter, block_size, n_prompt, max_new_tokens, stream_linears, static_cache)
@@ -82,7 +94,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                 return target_generate(target, ids, max_new_tokens, temperature=temperature,
                                        stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
                                        on_tokens=on_tokens, streamer=streamer, static_cache=static_cache)
-            proposer = _proposer(drafter, target, B, n_prompt, max_new_tokens, fused, draft_window)
+            proposer = _proposer(drafter, target, B, n_prompt, max_new_tokens, fused, draft_window,
+                                 sampling=sampling if rule == "rejection" else None)
             layer_ids = drafter.config.target_layer_ids
         else:
             B, proposer, trained = block_size, drafter, 0
@@ -93,7 +106,6 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
         cache = runner_module.static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
             if static_cache else None
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         out = RowOutput(ids, B, max_new_tokens, stop_token_ids, on_tokens, streamer)
         res = out.res
         clock = PhaseClock(device)
@@ -106,7 +118,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         clock("draft")
         while not done:
             verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
+            new = speculative_step(runner, proposer, state, verify_size, sampling, clock, rule)
             before = len(res.tokens)
             done = out.emit(new)
             res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
@@ -132,21 +144,21 @@ def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: i
 
 
 def _proposer(drafter, target, B: int, context_len: int, max_new_tokens: int, fused: bool, draft_window,
-              batch_size: int = 1) -> DFlashProposer:
+              batch_size: int = 1, sampling=None) -> DFlashProposer:
     """The drafter against `target` for one generation of `batch_size` sequences of at most
     `context_len` prompt tokens. It runs the drafter over at least its trained block
     (DFlashProposer.propose); its cache is bounded by the budget but starts at the prompt
     and a few blocks, then grows with the answer: an answer that stops early never pays for
-    the budget."""
+    the budget. `sampling` (the rejection rule): the drafts sampled, with their q."""
     block = max(B, drafter.config.block_size)
     return DFlashProposer(drafter, target, capacity=context_len + max_new_tokens + block,
                           initial_capacity=context_len + _FIRST_BLOCKS * block, fused=fused,
-                          draft_window=draft_window, batch_size=batch_size)
+                          draft_window=draft_window, batch_size=batch_size, sampling=sampling)
 
 
 def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_tokens: int, temperature, block_size,
                          stop_token_ids, top_k, top_p, generator, fused, on_tokens, draft_window, streamer,
-                         stream_linears, static_cache) -> List[GenerationResult]:
+                         stream_linears, static_cache, rule) -> List[GenerationResult]:
     """spec_generate over a list of prompts (:func:`~.batch.batch_generate`); a list of one runs
     the single-prompt loop."""
     streamers = per_row(streamer, len(rows), "streamer")
@@ -157,7 +169,8 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
         return [spec_generate(target, one, rows[0], max_new_tokens, temperature=temperature, block_size=block_size,
                               stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
                               fused=fused, on_tokens=row_callback(on_tokens, 0), draft_window=draft_window,
-                              streamer=streamers[0], stream_linears=stream_linears, static_cache=static_cache)]
+                              streamer=streamers[0], stream_linears=stream_linears, static_cache=static_cache,
+                              verify=rule)]
     if static_cache:
         raise ValueError("static_cache=True decodes one prompt: a batch of prompts runs on the dynamic cache")
     check_batchable(target)
@@ -170,7 +183,8 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
             B = _block_size(target, drafter, block_size, longest, max_new_tokens, stream_linears, False, len(rows))
             if B == 1:  # nothing to draft: the target alone, batched
                 return batch_generate(target, None, rows, max_new_tokens, 1, sampling, **common)
-            proposer = _proposer(drafter, target, B, longest, max_new_tokens, fused, draft_window, len(rows))
+            proposer = _proposer(drafter, target, B, longest, max_new_tokens, fused, draft_window, len(rows),
+                                 sampling=sampling if rule == "rejection" else None)
             layer_ids = drafter.config.target_layer_ids
         else:
             if not isinstance(drafter, (list, tuple)):
@@ -182,7 +196,7 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
             proposer = RowProposers(drafter, next(target.parameters()).device)
             layer_ids = getattr(drafter[0], "layer_ids", None)
         return batch_generate(target, proposer if B > 1 else None, rows, max_new_tokens, B, sampling,
-                              layer_ids=layer_ids, **common)
+                              layer_ids=layer_ids, rule=rule, **common)
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 
 The drafter writes B - 1 tokens in one pass over the block [last token, MASK x (B - 1)]
 (``proposer.propose``); the target verifies the block in one pass (:class:`~.runner.TargetRunner`);
-the verify rule (:func:`~.verify.verify`) accepts the longest prefix of drafts equal to the
-target's own tokens, plus the target's token at the first mismatch; the target's cache is
+the verify rule (:func:`~.verify.verify`: rejection sampling or sample-and-match) accepts a
+prefix of the drafts and emits one token of the target's after it; the target's cache is
 rolled back to the accepted length (:class:`~.rollback.CacheRollback`) and the accepted
 tokens' target hidden states are injected into the drafter's context (``proposer.accept``).
 """
@@ -12,6 +12,7 @@ from typing import Callable, List
 
 import torch
 
+from ..draft.sampling import split_draft
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .verify import verify
@@ -34,20 +35,25 @@ def _no_clock(phase: str) -> None:
 
 
 def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_size: int, sampling: dict,
-                     clock: Callable[[str], None] = _no_clock) -> List[int]:
+                     clock: Callable[[str], None] = _no_clock, rule: str = "match") -> List[int]:
     """One DFlash step over a block of `verify_size` tokens (1: the target alone, nothing
     drafted): returns the new tokens (the accepted drafts, then the target's own token) and
     advances `state`. `proposer`: ``propose(last_token, position, n)`` and ``accept(hidden
     states, rows, positions)`` (:class:`~dflash_ext.draft.proposer.DFlashProposer`);
-    `sampling`: :func:`~.verify.sample_token`'s keyword arguments. `clock(phase)` is called as
+    `sampling`: :func:`~dflash_ext.draft.sampling.sample_token`'s keyword arguments; `rule`:
+    the verify rule (:data:`~.verify.VERIFY_RULES`); ``propose`` returns the draft tokens, or
+    (tokens, q) when it sampled them (:class:`~dflash_ext.draft.sampling.Draft`). `clock(phase)` is called as
     each phase ends, for the caller's timing only."""
-    draft = proposer.propose(state.last, state.pos, verify_size - 1).to(runner.device) \
-        if verify_size > 1 else torch.empty(0, dtype=torch.long, device=runner.device)
+    drafted = proposer.propose(state.last, state.pos, verify_size - 1) \
+        if verify_size > 1 else torch.empty(0, dtype=torch.long)
+    draft, draft_probs = split_draft(drafted)
+    draft = draft.to(runner.device)
+    draft_probs = None if draft_probs is None else draft_probs.to(runner.device)
     clock("draft")
     block = torch.cat([torch.tensor([state.last], device=runner.device), draft])[None]
     logits, hidden, state.cache = runner(block, state.cache, rollback=state.rollback)
     clock("verify")
-    new = verify(draft.tolist(), logits[0], sampling)
+    new = verify(draft, logits[0], sampling, draft_probs, rule)
     accepted = len(new)  # the accepted drafts and the target's token
     state.rollback(block.shape[1] - accepted)
     clock("other")

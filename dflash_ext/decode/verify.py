@@ -1,64 +1,104 @@
-"""The verify rule: which drafted tokens a verify pass accepts, and the target's own token.
+"""The verify rule: which drafted tokens a verify pass accepts, and the token it emits after them.
 
-Sample-and-match: the target's token at each position of the block is its argmax at
-temperature 0, else a sample of its processed distribution (:func:`process_logits`:
-temperature, top-k, top-p); the longest prefix where the draft equals the target's tokens is
-accepted, plus the target's token at the first mismatch (:func:`verify`). So every emitted
-token is a token of the target itself and the output distribution is exactly the target's.
+The target's distribution at each position of the block is p_k, its :func:`process_logits`
+distribution (temperature, top-k, top-p: the same processing as the drafter's q). Two rules,
+both exact (every emitted sequence follows the target's own law):
 
-The rule never reads how the drafts were chosen, so this holds for any proposal: a DFlash2
-drafter's candidate-selector path (greedy, :func:`~dflash_ext.draft.head.draft_tokens`)
-included, at T = 0 and T > 0. The serving engines do more at T > 0 for DFlash2: they sample
-the path from softmax(scores / T) over each slot's top-K candidates and verify with rejection
-sampling against that q (accept with min(1, p/q), else resample from the residual), which
-accepts more often than matching a greedy draft; that is not implemented here.
+- **rejection** (the default at T > 0; :func:`rejection_law`, :func:`rejection_sample`): the drafts x_k were sampled
+  from the drafter's q_k (a :class:`~dflash_ext.draft.sampling.Draft`; a proposer that returns
+  plain tokens proposes them with certainty: q_k one-hot). In order, x_k is accepted with
+  probability min(1, p_k(x_k) / q_k(x_k)); at the first rejection a sample of the normalised
+  residual max(0, p_k - q_k) is emitted and the step ends; when every draft is accepted, a
+  sample of p at the last position (the bonus token). So P(emit x) = min(p, q)(x) +
+  max(0, p - q)(x) = p(x) at every position (Leviathan et al. 2023; Chen et al. 2023), and a
+  draft is accepted with probability sum_x min(p_k, q_k)(x), more often than it equals the
+  target's own sample. A draft the target gives probability 0 (outside its top-k / top-p) is
+  always rejected; a residual that is zero everywhere (p_k = q_k: a rejection there has
+  probability 0, up to rounding) samples p_k.
+- **match** (sample-and-match; greedy at T = 0 whatever the rule): the
+  target's token at each position is its argmax at T = 0, else a sample of p_k; the longest
+  prefix where the drafts equal those tokens is accepted, plus the target's token at the first
+  mismatch. It never reads how the drafts were chosen (the proposer drafts its argmax).
+
+:func:`verify` picks the rule for one sequence, :func:`verify_rows` for the rows of a batch
+(:mod:`.batch`: each row under its own q, in the same batched ops); the loops read one thing
+on the host per step either way (the emitted tokens, the accepted count among them).
 """
 from typing import List, Optional
 
 import torch
 
-__all__ = ["process_logits", "sample_token", "verify"]
+from ..draft.sampling import process_logits, sample_token
+
+__all__ = ["VERIFY_RULES", "verify", "verify_rows", "rejection_law", "rejection_sample"]
+
+VERIFY_RULES = ("rejection", "match")
 
 
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The logits ``[n, V]`` of the distribution a token is sampled from at ``temperature > 0``
-    (float32; softmax gives its probabilities): divided by the temperature, the tokens outside
-    the top-k (0: off) and outside the smallest prefix reaching probability top-p (1: off) at
-    -inf, the most likely token always kept."""
-    # Shifted by the row maximum and divided in float64, every finite temperature > 0 is
-    # finite math: one so small that logits / T would overflow float32 (inf - inf = NaN in the
-    # softmax) gives -inf to every token below the maximum, the greedy limit (ties shared).
-    logits = logits.double()
-    logits = ((logits - logits.amax(-1, keepdim=True)) / temperature).float()
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        drop[..., 0] = False  # and the most likely token whatever top_p is (below float32's range it reads as 0)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits
+def rejection_law(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor):
+    """The rejection rule's law, batched over any leading dimensions: `draft [..., n]` the
+    drafted tokens, `draft_probs [..., n, V]` the q each was sampled from (None: the drafts
+    proposed with certainty, q one-hot), `target_probs [..., n + 1, V]` the target's processed
+    p at the block's positions. Returns (accept [..., n]: min(1, p_k(x_k) / q_k(x_k)), 0 where
+    p_k(x_k) = 0; residual [..., n + 1, V]: the unnormalised law of the token emitted after a
+    rejection at k, max(0, p_k - q_k), or p_k where that is zero everywhere; at k = n, after
+    every draft was accepted, p_n)."""
+    n, V = draft.shape[-1], target_probs.shape[-1]
+    p = target_probs.float()
+    q = torch.nn.functional.one_hot(draft, V).float() if draft_probs is None else draft_probs.float()
+    q = torch.cat([q, q.new_zeros(*q.shape[:-2], 1, V)], -2)  # nothing drafted at the bonus position: residual p
+    index = draft[..., None]
+    p_x, q_x = p[..., :n, :].gather(-1, index)[..., 0], q[..., :n, :].gather(-1, index)[..., 0]
+    # q(x) = 0 (a proposer's draft it gave no weight): accepted where the target gives it any
+    accept = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny), (p_x > 0).float()).clamp(max=1)
+    residual = (p - q).clamp_min(0)
+    return accept, torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
 
 
-def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One token per row of ``logits [n, V]``: argmax at temperature 0, else a sample of the
-    :func:`process_logits` distribution."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = process_logits(logits, temperature, top_k, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def rejection_sample(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                     generator: Optional[torch.Generator] = None):
+    """A draw of the rejection rule (:func:`rejection_law`, same arguments), with no host read:
+    (accepted [...]: the number of leading drafts accepted, a; token [...]: the token emitted
+    after them, from the residual at the first rejection, from p_n when all n are accepted)."""
+    accept, residual = rejection_law(draft, draft_probs, target_probs)
+    u = torch.rand(accept.shape, generator=generator, device=accept.device, dtype=accept.dtype)
+    accepted = (u < accept).long().cumprod(-1).sum(-1)  # u in [0, 1): with probability accept; 0: never
+    # one candidate per position (a few rows of one batched draw), the one at the first rejection emitted
+    V = residual.shape[-1]
+    candidates = torch.multinomial(residual.reshape(-1, V), 1, generator=generator).view(residual.shape[:-1])
+    return accepted, candidates.gather(-1, accepted[..., None])[..., 0]
 
 
-def verify(draft: List[int], logits: torch.Tensor, sampling: dict) -> List[int]:
-    """The tokens one verify pass emits: the accepted drafts, then the target's own token.
-    `draft`: the n drafted tokens; `logits [n + 1, V]`: the target's logits at the block's
-    positions (the last accepted token, then the drafts); `sampling`: :func:`sample_token`'s
-    keyword arguments. Returns between 1 and n + 1 tokens."""
-    target_tokens = sample_token(logits, **sampling).tolist()
-    a = 0
-    while a < len(draft) and draft[a] == target_tokens[a]:
-        a += 1
-    return target_tokens[:a + 1]  # the accepted drafts equal the target's tokens
+def verify_rows(drafts: torch.Tensor, logits: torch.Tensor, sampling: dict,
+                draft_probs: Optional[torch.Tensor] = None, rule: str = "match") -> List[List[int]]:
+    """The tokens one verify pass emits in each row of a batch: the accepted drafts, then the
+    target's token. `drafts [R, n]`: the drafted tokens; `logits [R, n + 1, V]`: the target's
+    logits at the blocks' positions (each row's last accepted token, then its drafts);
+    `sampling`: :func:`sample_token`'s keyword arguments; `rule`: one of :data:`VERIFY_RULES`
+    (at temperature 0 both are the greedy match); `draft_probs [R, n, V]`: each row's q under
+    "rejection" (None: one-hot). Every row drawn in the same few batched ops; returns per row
+    between 1 and n + 1 tokens, read on the host in one transfer."""
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {rule!r}")
+    n = drafts.shape[-1]
+    if rule == "match" or sampling["temperature"] <= 0:  # sample-and-match (the module)
+        rows = torch.cat([drafts, sample_token(logits, **sampling)], -1).tolist()
+        out = []
+        for row in rows:
+            draft, target_tokens = row[:n], row[n:]
+            a = 0
+            while a < n and draft[a] == target_tokens[a]:
+                a += 1
+            out.append(target_tokens[:a + 1])  # the accepted drafts equal the target's tokens
+        return out
+    p = process_logits(logits, sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0))
+    accepted, token = rejection_sample(drafts, draft_probs, p.softmax(-1), sampling.get("generator"))
+    rows = torch.cat([accepted[:, None], drafts, token[:, None]], -1).tolist()
+    return [row[1:1 + row[0]] + [row[-1]] for row in rows]
+
+
+def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict, draft_probs: Optional[torch.Tensor] = None,
+           rule: str = "match") -> List[int]:
+    """:func:`verify_rows` of one sequence: `draft [n]`, `logits [n + 1, V]`, `draft_probs [n, V]`."""
+    return verify_rows(draft[None], logits[None], sampling, None if draft_probs is None else draft_probs[None],
+                       rule)[0]

@@ -26,6 +26,17 @@ near the end, the same tokens (without the target, ``DFlashAssistant(drafter)``,
 same target keeps that remembered size: its blocks are shortened in the few steps just before
 that position, never past it (the tokens unchanged).
 
+At T > 0 (``do_sample=True``) transformers verifies by speculative sampling, with nothing
+to do here: its candidate generator applies the target's LM head to the hidden states returned
+here, processes those logits with the target's own logits processors (temperature, top-k,
+top-p), samples each candidate from them and returns the processed logits with the
+candidates; ``generate`` then accepts candidate k with min(1, p_k / q_k) and samples the
+residual at the first rejection (``_speculative_sampling``), exactly the rule of
+:mod:`dflash_ext.decode.verify` (python_tests/draft/test_hf_assistant.py checks the law and
+that the speculative sampling runs). Two differences from ``spec_generate``: the candidates
+are drawn over the target's whole vocabulary (a drafter's draft vocabulary is not applied
+there), and from transformers' global random state (``torch.manual_seed``), not a generator.
+
 A DFlash2 drafter cannot be an assistant: transformers applies the LM head to the hidden
 states returned here and drafts each slot's argmax, so the candidate selector's path (the
 DFlash2 draft) has no way through; :class:`DFlashAssistant` says so (spec_generate drafts it).

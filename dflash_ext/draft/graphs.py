@@ -26,23 +26,26 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor]):
 
 
 class CapturedDraftStep:
-    """``runtime.draft_tokens`` for one block of `width` mask tokens and `n` drafts, captured in
-    a CUDA graph: static input buffers (the block's token ids and positions), the cache and its
-    device lengths read in place, one replay per draft. The attention is planned for the cache
-    capacity, so a replay stays correct as the context grows within it. The graph reads by
-    address what :meth:`~.runtime.DraftRuntime.graph_layout` lists (the cache, the RoPE tables,
-    the weights, the vocabulary head): once one of them is another tensor (a cache or tables
+    """``runtime.draft_tokens`` for one block of `width` mask tokens and `n` drafts (`sampled`:
+    ``runtime.draft_logits``, what a sampled draft is drawn from; the sampling runs after the
+    replay, eagerly, with the caller's generator), captured in a CUDA graph: static input
+    buffers (the block's token ids and positions), the cache and its device lengths read in
+    place, one replay per draft. The attention is planned for the cache capacity, so a replay
+    stays correct as the context grows within it. The graph reads by address what
+    :meth:`~.runtime.DraftRuntime.graph_layout` lists (the cache, the RoPE tables, the
+    weights, the vocabulary head): once one of them is another tensor (a cache or tables
     grown, a parameter replaced), the step no longer :meth:`fits` and is captured anew."""
 
     @torch.no_grad()
-    def __init__(self, runtime, width: int, n: int):
+    def __init__(self, runtime, width: int, n: int, sampled: bool = False):
         dev = runtime.device
+        step = runtime.draft_logits if sampled else runtime.draft_tokens
         with torch.cuda.device(dev):
             self.layout = runtime.graph_layout()  # also keeps those tensors alive while the graph may replay
             self.ids = torch.full((1, width + 1), runtime.config.mask_token_id, dtype=torch.long, device=dev)
             self.offsets = torch.arange(width + 1, device=dev)[None]
             self.positions = self.offsets.clone()
-            self.graph, self.out = capture_cuda_graph(lambda: runtime.draft_tokens(self.ids, self.positions, n))
+            self.graph, self.out = capture_cuda_graph(lambda: step(self.ids, self.positions, n))
 
     def fits(self, runtime) -> bool:
         """Whether what the runtime's step reads is still what this graph was captured on."""
@@ -50,8 +53,9 @@ class CapturedDraftStep:
         return len(now) == len(self.layout) and all(a is b if isinstance(a, torch.Tensor) else a == b
                                                     for a, b in zip(now, self.layout))
 
-    def __call__(self, last_token: int, position: int) -> torch.Tensor:
+    def __call__(self, last_token: int, position: int):
         self.ids[:, :1].fill_(last_token)                     # device fills: no host round trip
         torch.add(self.offsets, position, out=self.positions)
         self.graph.replay()
-        return self.out.clone()  # the next replay overwrites self.out
+        # the next replay overwrites self.out
+        return tuple(t.clone() for t in self.out) if isinstance(self.out, tuple) else self.out.clone()

@@ -1,6 +1,7 @@
 """The target's parts a draft step runs: the embedding of the block [token, MASK...]
 (:func:`block_embedding`, here and in training), the LM head over the draft vocabulary
-(:func:`vocab_head`) and the draft tokens from the drafter's hidden states (:func:`draft_tokens`)."""
+(:func:`vocab_head`), its logits at the prediction slots (:func:`draft_logits`) and the greedy draft
+tokens from the drafter's hidden states (:func:`draft_tokens`)."""
 import copy
 import weakref
 from typing import Optional
@@ -11,7 +12,7 @@ from torch import nn
 from ..model.layers import CandidateSelector
 from ..ops.linear import lm_head_linear
 
-__all__ = ["block_embedding", "vocab_head", "draft_tokens"]
+__all__ = ["block_embedding", "vocab_head", "draft_logits", "draft_tokens"]
 
 
 def block_embedding(target) -> nn.Module:
@@ -50,19 +51,28 @@ def vocab_head(lm_head: nn.Module, vocab: torch.Tensor):
     return held[2:]
 
 
+def draft_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 n: Optional[int] = None) -> torch.Tensor:
+    """The LM head's logits [Bsz, n, V'] at slots 1..n of the drafter's final hidden states
+    [Bsz, B, H] (default n = B - 1; slot 0 is the last accepted token). Only those n rows go
+    through the LM head, the step's largest GEMM (:func:`~dflash_ext.ops.linear.lm_head_linear`
+    picks its kernel)."""
+    Bsz, B, H = hidden.shape
+    n = B - 1 if n is None else n
+    return lm_head_linear(hidden[:, 1:n + 1].reshape(Bsz * n, H), weight, bias).view(Bsz, n, -1)
+
+
 def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  vocab: Optional[torch.Tensor] = None, n: Optional[int] = None,
                  selector: Optional[CandidateSelector] = None, anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Greedy draft tokens [Bsz, n] from the drafter's final hidden states [Bsz, B, H]: the
-    argmax of the LM head (`weight`, `bias`) at slots 1..n (default n = B - 1; slot 0 is the
-    last accepted token). Only those n rows go through the LM head, the step's largest
-    GEMM (:func:`~dflash_ext.ops.linear.lm_head_linear` picks its kernel). With a draft
+    argmax of the LM head (`weight`, `bias`; :func:`draft_logits`) at slots 1..n. With a draft
     vocabulary, `weight` holds the rows of those token ids only and `vocab` maps back. A
     DFlash2 drafter's `selector` drafts its path from the `anchor` tokens [Bsz] (the block's
-    slot 0) over these logits instead of the argmax."""
-    Bsz, B, H = hidden.shape
-    n = B - 1 if n is None else n
-    logits = lm_head_linear(hidden[:, 1:n + 1].reshape(Bsz * n, H), weight, bias).view(Bsz, n, -1)
+    slot 0) over these logits instead of the argmax. (At T > 0 the draft is sampled:
+    :func:`~.sampling.sample_draft`.)"""
+    n = hidden.shape[1] - 1 if n is None else n
+    logits = draft_logits(hidden, weight, bias, n)
     if selector is not None:
         return selector(hidden[:, 1:n + 1], logits, anchor, vocab)
     best = logits.argmax(-1)

@@ -20,7 +20,10 @@ class DFlashProposer:
     index), the cache lengths live in a device tensor updated in place, and the RoPE tables
     are covered from host counts. So the whole step (block embedding, N layers, final norm,
     LM head, argmax or DFlash2's selector) is captured in a CUDA graph per block size and
-    replayed (`cuda_graph`, default: on for a CUDA drafter with the fused ops). The injection
+    replayed (`cuda_graph`, default: on for a CUDA drafter with the fused ops); with
+    `sampling` (:func:`~.sampling.sample_token`'s keyword arguments; a temperature > 0: the
+    drafts are sampled, for the rejection verify rule) the graph ends at the LM head's logits
+    and the few sampling ops run after it, eagerly, with the sampling's generator. The injection
     after a verify runs eagerly (its token count varies), without a sync. On the CPU nothing
     of this applies: the ops validate and run eagerly.
 
@@ -36,7 +39,7 @@ class DFlashProposer:
     :meth:`propose_rows` drafts several in one pass (eagerly)."""
 
     def __init__(self, drafter, target, capacity: int, fused: bool = True, draft_window=None, cuda_graph=None,
-                 initial_capacity=None, batch_size: int = 1):
+                 initial_capacity=None, batch_size: int = 1, sampling=None):
         drafter.check_fits(target.config)
         on_cuda = drafter.fc.weight.device.type == "cuda"
         start = capacity if initial_capacity is None else min(initial_capacity, capacity)
@@ -46,6 +49,8 @@ class DFlashProposer:
                                     cuda_graph=on_cuda and fused if cuda_graph is None else cuda_graph)
         self.layer_ids = drafter.config.target_layer_ids
         self.block_size = drafter.config.block_size
+        # At T > 0 under rejection sampling the drafts are sampled (their q goes to the verifier).
+        self.sampling = sampling if sampling is not None and sampling["temperature"] > 0 else None
         # Every position a block can reach: the cache holds <= capacity tokens, a block adds block_size.
         self.position_limit = capacity + drafter.config.block_size + 1
 
@@ -61,18 +66,23 @@ class DFlashProposer:
         runtime.add_context(seq, feats, positions)
 
     @torch.no_grad()
-    def propose(self, last_token: int, position: int, n: int) -> torch.Tensor:
-        """n draft tokens following `last_token` at `position`. The drafter always runs
+    def propose(self, last_token: int, position: int, n: int):
+        """n draft tokens following `last_token` at `position`: the greedy ones, or with
+        `sampling` (a temperature > 0) a :class:`~.sampling.Draft` (the tokens sampled from the
+        drafter's processed distribution q, and q). The drafter always runs
         over at least the block it was trained on (the same cost, and the problem it
         learned: fewer mask tokens change every slot's attention), and the LM head runs
         on the first n slots only."""
         width = self._width(position, n)
-        return self.runtime.draft(last_token, position, width, n)
+        return self.runtime.draft(last_token, position, width, n, self.sampling)
 
     @torch.no_grad()
-    def propose_rows(self, seqs, last_tokens, positions, n: int) -> torch.Tensor:
-        """:meth:`propose` for the sequences `seqs` at once (one draft pass): [len(seqs), n]."""
-        return self.runtime.draft_rows(seqs, last_tokens, positions, self._width(max(positions), n), n)
+    def propose_rows(self, seqs, last_tokens, positions, n: int):
+        """:meth:`propose` for the sequences `seqs` at once (one draft pass): the greedy tokens
+        [len(seqs), n], or with `sampling` a :class:`~.sampling.Draft` of them and their q
+        [len(seqs), n, V] (row i's q is row i's own, as :meth:`propose` returns it)."""
+        return self.runtime.draft_rows(seqs, last_tokens, positions, self._width(max(positions), n), n,
+                                       self.sampling)
 
     def _width(self, position: int, n: int) -> int:
         """The mask tokens of a block drafting n tokens after `position` (checked against the positions made for)."""

@@ -12,8 +12,9 @@ from ..model.layers import rope_tables
 from ..ops import reference
 from .cache import DraftCache
 from .graphs import CapturedDraftStep
-from .head import draft_tokens, vocab_head
+from .head import draft_logits, draft_tokens, vocab_head
 from .layers import fused_layer, stacked_kv_weights, stacked_layer_weights
+from .sampling import Draft, sample_draft
 
 __all__ = ["DraftRuntime"]
 
@@ -28,10 +29,10 @@ class DraftRuntime:
       parameters' current values whatever wrote them, at any time (the drafter must keep its
       device and dtype while a runtime drafts with it: the cache is in them);
     - with the target's block `embed`\\ding and `lm_head` (the proposer's case): the draft tokens
-      (:meth:`draft`), the LM head restricted to the drafter's draft vocabulary
-      (:func:`~.head.vocab_head`), and with `cuda_graph` (a CUDA drafter, `fused`, `validate`
-      False) each block shape's step captured in a CUDA graph and replayed
-      (:class:`~.graphs.CapturedDraftStep`).
+      (:meth:`draft`; sampled at T > 0, :meth:`sample_draft`), the LM head restricted to the
+      drafter's draft vocabulary (:func:`~.head.vocab_head`), and with `cuda_graph` (a CUDA
+      drafter, `fused`, `validate` False) each block shape's step captured in a CUDA graph and
+      replayed (:class:`~.graphs.CapturedDraftStep`).
 
     `fused`: the layers on the fused ops (False: the reference layers, ``DecoderLayer.forward``
     over ``reference.*``). `validate`: the ops check their index values (and
@@ -146,54 +147,86 @@ class DraftRuntime:
         return ops.rms_norm(x, norm.weight, norm.eps) if pending is None else \
             ops.rms_norm(pending, norm.weight, norm.eps, residual=x)[1]
 
-    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> torch.Tensor:
-        """The first n draft tokens [Bsz, n] of the blocks `ids` [Bsz, W + 1] at `positions`: the
-        target's embedding of the blocks, :meth:`draft_hidden`, the LM head (over the draft
-        vocabulary) and each slot's argmax, or a DFlash2 drafter's selector path. The positions
-        must be covered (:meth:`cover`): nothing is read on the host here (with ``validate=False``
-        not by the ops either), so this is what a captured step replays. `seqs`: as in
-        :meth:`draft_hidden`."""
+    def _final_hidden(self, ids: torch.Tensor, positions: torch.Tensor, seqs=None):
+        """(final hidden states [Bsz, W + 1, H] in the head's dtype, (head weight, bias)) of the
+        blocks `ids` at covered `positions`: the target's embedding of the blocks and the layers
+        (`seqs`: as in :meth:`draft_hidden`)."""
         if self.embed is None or self.lm_head is None:
-            raise ValueError("draft_tokens needs the target's embed and lm_head (DraftRuntime(..., embed=, lm_head=))")
+            raise ValueError("drafting needs the target's embed and lm_head (DraftRuntime(..., embed=, lm_head=))")
         hidden = self._layers(self.embed(ids).to(self.dtype), positions, seqs)
         if self.vocab is None:
             head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         else:
             head = self.vocab_weight, self.vocab_bias
+        return hidden.to(head[0].dtype), head
+
+    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> torch.Tensor:
+        """The first n greedy draft tokens [Bsz, n] of the blocks `ids` [Bsz, W + 1] at
+        `positions`: the target's embedding of the blocks, :meth:`draft_hidden`, the LM head
+        (over the draft vocabulary) and each slot's argmax, or a DFlash2 drafter's selector
+        path. The positions must be covered (:meth:`cover`): nothing is read on the host here
+        (with ``validate=False`` not by the ops either), so this is what a captured step replays.
+        `seqs`: as in :meth:`draft_hidden`."""
+        hidden, head = self._final_hidden(ids, positions, seqs)
         selector = getattr(self.drafter, "candidate_selector", None)  # DFlash2
-        return draft_tokens(hidden.to(head[0].dtype), *head, vocab=self.vocab, n=n, selector=selector,
-                            anchor=ids[:, 0])
+        return draft_tokens(hidden, *head, vocab=self.vocab, n=n, selector=selector, anchor=ids[:, 0])
+
+    def draft_logits(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> tuple:
+        """(hidden [Bsz, n, H], logits [Bsz, n, V']) of the first n prediction slots of the blocks
+        `ids` at covered `positions`: what a sampled draft (:meth:`sample_draft`) is drawn from,
+        and what a captured step replays at T > 0 (the sampling itself runs after the replay).
+        `seqs`: as in :meth:`draft_hidden`."""
+        hidden, head = self._final_hidden(ids, positions, seqs)
+        return hidden[:, 1:n + 1], draft_logits(hidden, *head, n)
+
+    def sample_draft(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, sampling: dict) -> Draft:
+        """The sampled draft (:func:`~.sampling.sample_draft`) of :meth:`draft_logits`' output
+        after the `anchor` tokens [Bsz]: q over the target's vocabulary."""
+        return sample_draft(hidden, logits, self.lm_head.weight.shape[0], sampling, vocab=self.vocab,
+                            selector=getattr(self.drafter, "candidate_selector", None), anchor=anchor)
 
     @torch.no_grad()
-    def draft(self, last_token: int, position: int, width: int, n: int) -> torch.Tensor:
+    def draft(self, last_token: int, position: int, width: int, n: int, sampling: Optional[dict] = None):
         """The first n draft tokens [n] of sequence 0's block [last_token, MASK x width] at the
-        positions ``position .. position + width`` (covered here, from host numbers): with
-        `cuda_graph`, a replay of the step captured for (width, n), captured anew once what it
-        reads changed (:meth:`graph_layout`)."""
+        positions ``position .. position + width`` (covered here, from host numbers): greedy,
+        or with `sampling` (:func:`~.sampling.sample_token`'s keyword arguments, temperature >
+        0) a :class:`~.sampling.Draft` of them and their q [n, V]. With `cuda_graph`, a replay
+        of the step captured for (width, n) (at T > 0: up to the logits, the sampling after
+        it), captured anew once what it reads changed (:meth:`graph_layout`); without, one row
+        of :meth:`draft_rows`."""
+        if not self.cuda_graph:
+            out = self.draft_rows([0], [last_token], [position], width, n, sampling)
+            return out[0] if sampling is None else Draft(out.tokens[0], out.probs[0])
         self.cover(position + width + 1)
-        if self.cuda_graph:
-            step = self._graphs.get((width, n))
-            if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
-                self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
-                step = self._graphs[(width, n)] = CapturedDraftStep(self, width, n)
-            return step(last_token, position)[0]
-        ids = torch.full((1, width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
-        ids[:, :1].fill_(last_token)
-        return self.draft_tokens(ids, torch.arange(position, position + width + 1, device=self.device)[None], n)[0]
+        sampled = sampling is not None
+        step = self._graphs.get((width, n, sampled))
+        if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
+            self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
+            step = self._graphs[(width, n, sampled)] = CapturedDraftStep(self, width, n, sampled)
+        out = step(last_token, position)
+        if not sampled:
+            return out[0]
+        anchor = torch.full((1,), last_token, dtype=torch.long, device=self.device)
+        tokens, probs = self.sample_draft(*out, anchor, sampling)
+        return Draft(tokens[0], probs[0])
 
     @torch.no_grad()
     def draft_rows(self, seqs: Sequence[int], last_tokens: Sequence[int], positions: Sequence[int], width: int,
-                   n: int) -> torch.Tensor:
+                   n: int, sampling: Optional[dict] = None):
         """:meth:`draft` for several sequences at once: the first n draft tokens [len(seqs), n] of
         the blocks [last_tokens[i], MASK x width] of sequences `seqs` at the positions
         ``positions[i] .. positions[i] + width``, in one pass of the layers (eagerly: the captured
-        steps are :meth:`draft`'s, one sequence)."""
+        steps are :meth:`draft`'s, one sequence); with `sampling` a :class:`~.sampling.Draft`
+        of them and their q [len(seqs), n, V] (row i's q drawn from row i's logits)."""
         self.cover(max(positions) + width + 1)
         ids = torch.full((len(seqs), width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor(list(last_tokens), dtype=torch.long, device=self.device)
         pos = torch.tensor(list(positions), device=self.device)[:, None] + torch.arange(width + 1, device=self.device)
         every = list(seqs) == list(range(len(self.cache.lengths)))
-        return self.draft_tokens(ids, pos, n, None if every else torch.tensor(list(seqs), device=self.device))
+        which = None if every else torch.tensor(list(seqs), device=self.device)
+        if sampling is None:
+            return self.draft_tokens(ids, pos, n, which)
+        return self.sample_draft(*self.draft_logits(ids, pos, n, which), ids[:, 0], sampling)
 
     def graph_layout(self) -> tuple:
         """What a captured step reads by address: the cache (new tensors at every growth, which

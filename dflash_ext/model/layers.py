@@ -170,16 +170,24 @@ class CandidateSelector(nn.Module):
                 vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Draft tokens [Bsz, n] from the final-normed hidden states of the n prediction slots
         ``hidden [Bsz, n, H]``, their LM-head ``logits [Bsz, n, V']`` (V' the draft vocabulary
-        when `vocab` maps its rows to token ids) and the anchor tokens [Bsz]. Plain torch
-        ops, no host reads: a CUDA graph captures it."""
+        when `vocab` maps its rows to token ids) and the anchor tokens [Bsz]: the greedy walk.
+        Plain torch ops, no host reads: a CUDA graph captures it."""
+        return self.walk(hidden, logits, anchor, vocab, lambda score: score.argmax(-1))[0]
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+             vocab: Optional[torch.Tensor], choose) -> tuple:
+        """(path [Bsz, n], candidates [Bsz, n, K]): the walk from the anchor tokens, slot j
+        taking the candidate ``choose(scores [Bsz, K])`` (an index [Bsz]) picks among its
+        candidates' scores after the token taken at slot j - 1 (greedy: the argmax; at T > 0
+        a sample, :func:`~dflash_ext.draft.sampling.sample_draft`)."""
         unary, candidates = self.top_candidates(self.unary(logits), vocab)  # [Bsz, n, K]
         gate = self.gate(hidden)  # [Bsz, n, R]
         previous, path = anchor, []
         for j in range(candidates.shape[1]):
             score = self.scores(gate[:, j], unary[:, j], candidates[:, j], previous)
-            previous = candidates[:, j].gather(-1, score.argmax(-1, keepdim=True))[:, 0]
+            previous = candidates[:, j].gather(-1, choose(score)[:, None])[:, 0]
             path.append(previous)
-        return torch.stack(path, 1)
+        return torch.stack(path, 1), candidates
 
 
 class DecoderLayer(nn.Module):

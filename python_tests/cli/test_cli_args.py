@@ -64,6 +64,7 @@ BAD_FLAGS = [  # (argv, the flag the error names); {data}, {drafter}, {tmp} are 
     ("generate --top-k -1", "--top-k"),
     ("generate --top-p 0", "--top-p"),
     ("generate --top-p 1.5", "--top-p"),
+    ("generate --verify accept-all", "--verify"),
     ("generate --max-new-tokens 0", "--max-new-tokens"),
     ("generate --threads 0", "--threads"),
     ("generate --device gpu", "--device"),

@@ -90,6 +90,23 @@ def test_demo_on_the_embedded_target_in_fp32(tmp_path, capsys):
     assert report["speedup"] > 0
 
 
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_generate_verify_picks_the_rule_at_temperature_above_zero(tiny_run, monkeypatch, capsys, rule):
+    import dflash_ext.decode.loop
+
+    seen = []
+    real = dflash_ext.decode.loop.spec_generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["verify"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dflash_ext.decode.loop, "spec_generate", spy)
+    _, report = tiny_run(capsys, "--temperature", "1.0", "--verify", rule, "--block-size", "4")
+    assert seen and set(seen) == {rule}
+    assert report["dflash"]["verify"] == rule
+
+
 class _TextTokenizer(_Tokenizer):
     """A tokenizer whose ids follow the text: each character's code (mod 200), one token each."""
 

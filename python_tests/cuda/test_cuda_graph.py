@@ -95,7 +95,48 @@ def test_cuda_graph_replays_equal_the_eager_step_as_the_context_grows(dtype, dra
         for p in (graph, eager):
             p.accept(hs, slice(pos, pos + n), positions[pos:pos + n])
         pos += n
-    assert graph.runtime.cuda_graph and [n for _, n in graph.runtime._graphs] == [7]  # one step, keeping 7 tokens
+    assert graph.runtime.cuda_graph and [key[1] for key in graph.runtime._graphs] == [7]  # one step, keeping 7 tokens
+
+
+def _sampling(seed=0):
+    return dict(temperature=0.8, top_k=20, top_p=0.95, generator=torch.Generator("cuda").manual_seed(seed))
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dflash2", [False, True])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(1, 128, 2))])
+def test_cuda_graph_sampled_step_equals_the_eager_sampled_step(dflash2, draft_vocab):
+    """At T > 0 the captured step ends at the logits and the sampling (a DFlash2 walk too)
+    runs after the replay with the proposer's generator: the same seed drafts the same tokens
+    and the same q as the eager step, and the step reads nothing on the host."""
+    target, drafter = _pair("cuda", torch.float32, draft_vocab)
+    if dflash2:
+        drafter = DFlashDrafter.dflash2_from(drafter, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                             selector_top_k=4).to("cuda")
+    graph = DFlashProposer(drafter, target, capacity=1024, cuda_graph=True, sampling=_sampling())
+    eager = DFlashProposer(drafter, target, capacity=1024, cuda_graph=False, sampling=_sampling())
+    hs = _hidden_states(target, 200, seed=3)
+    positions = torch.arange(200, device="cuda")
+    pos = 100
+    for p in (graph, eager):
+        p.accept(hs, slice(0, pos), positions[:pos])
+    graph.propose(3, pos, 7), eager.propose(3, pos, 7)  # capture and warm-up outside the checked region
+    torch.cuda.synchronize()
+    for step in range(10):
+        last = (7 * step + 1) % 128
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            (got, got_q), (want, want_q) = graph.propose(last, pos, 7), eager.propose(last, pos, 7)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want), f"step {step}: graph {got.tolist()} != eager {want.tolist()}"
+        torch.testing.assert_close(got_q, want_q)
+        assert got_q.shape == (7, 128) and (got_q[torch.arange(7), got] > 0).all()
+        n = 1 + step % 5
+        for p in (graph, eager):
+            p.accept(hs, slice(pos, pos + n), positions[pos:pos + n])
+        pos += n
+    assert [key for key in graph.runtime._graphs] == [(7, 7, True)]
 
 
 @CUDA_ONLY

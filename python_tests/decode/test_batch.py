@@ -109,12 +109,14 @@ def test_the_ragged_cache_keeps_each_rows_tokens_in_order():
     assert ragged.cache.layers[0].keys[1, 0, :, 0][ragged.mask[1].bool()].tolist() == [100, -1, -1]
 
 
-def test_a_batch_of_one_is_todays_loop():
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_a_batch_of_one_is_todays_loop(rule):
     target = tiny_family_target("llama")
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     prompt = PROMPTS[1]
-    single = spec_generate(target, drafter, prompt, NEW, temperature=0.8, generator=torch.Generator().manual_seed(3))
-    one = spec_generate(target, drafter, [prompt], NEW, temperature=0.8, generator=torch.Generator().manual_seed(3))
+    kw = dict(temperature=0.8, verify=rule)
+    single = spec_generate(target, drafter, prompt, NEW, generator=torch.Generator().manual_seed(3), **kw)
+    one = spec_generate(target, drafter, [prompt], NEW, generator=torch.Generator().manual_seed(3), **kw)
     assert type(single).__name__ == "GenerationResult" and isinstance(one, list) and len(one) == 1
     assert one[0].tokens == single.tokens and one[0].acceptance_lengths == single.acceptance_lengths
     assert type(spec_generate(target, drafter, torch.tensor([prompt]), 4)).__name__ == "GenerationResult"
@@ -174,16 +176,27 @@ def test_auto_block_size_times_the_batch():
     assert [r.tokens for r in out] == singles(target, PROMPTS[:3])
 
 
-def test_sampling_follows_the_target_distribution_in_every_row():
-    """At T = 1 with oracles proposing each row's greedy path (most drafts rejected: ragged
-    rollbacks), each row's first k tokens follow the target's exact joint law for its prompt."""
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+@pytest.mark.parametrize("proposer", ["oracle", "drafter"])
+def test_sampling_follows_the_target_distribution_in_every_row(rule, proposer):
+    """At T = 1 under each verify rule, with oracles proposing each row's greedy path (most
+    drafts rejected: ragged rollbacks; under rejection a one-hot q) or a random drafter (under
+    rejection its drafts sampled, each row verified against its own q from propose_rows), each
+    row's first k tokens follow the target's exact joint law for its prompt."""
     vocab, k, n = 3, 3, 240
     target = tiny_family_target("llama", seed=3, num_hidden_layers=2, vocab_size=vocab, sharpen=5.0)
     prompts = [[1, 2, 0], [2], [0, 0, 1, 2, 1, 1]]
     greedy = singles(target, prompts, k)
     g = torch.Generator().manual_seed(1234)
-    runs = [spec_generate(target, [OracleProposer(gr, len(p), vocab) for gr, p in zip(greedy, prompts)], prompts, k,
-                          temperature=1.0, block_size=2, generator=g) for _ in range(n)]
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=3, seed=5)
+
+    def draft():  # fresh oracles per run (they count their calls)
+        if proposer == "drafter":
+            return drafter
+        return [OracleProposer(gr, len(p), vocab) for gr, p in zip(greedy, prompts)]
+
+    runs = [spec_generate(target, draft(), prompts, k, temperature=1.0, block_size=2 if proposer == "oracle" else 3,
+                          generator=g, verify=rule) for _ in range(n)]
     for row, prompt in enumerate(prompts):
         codes = torch.tensor([sum(t * vocab ** i for i, t in enumerate(r[row].tokens)) for r in runs])
         probs = exact_first_tokens(target, prompt, k, vocab)
@@ -201,3 +214,60 @@ def test_the_target_alone_batched_reports_as_target_generate():
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
     assert [r.acceptance_lengths for r in batched] == [r.acceptance_lengths for r in alone]
     assert all(r.verify_time > 0 and r.total_time >= r.time_to_first_token for r in batched)
+
+
+def test_propose_rows_returns_each_rows_q_as_propose_does():
+    """At T > 0 (the rejection rule's proposer) the batched draft pass returns a Draft whose row
+    i is sequence i's: its q equal to a single-sequence proposer's over the same context, its
+    tokens drawn where that q is positive; greedy, plain tokens equal to each row's own."""
+    from dflash_ext.decode.runner import TargetRunner
+    from dflash_ext.draft.proposer import DFlashProposer
+    from dflash_ext.draft.sampling import Draft
+
+    target = tiny_family_target("qwen3", seed=4)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
+    runner = TargetRunner(target, drafter.config.target_layer_ids)
+    prompts = [torch.tensor([p]) for p in PROMPTS[:3]]
+    for sampling in (dict(temperature=1.0, top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(0)), None):
+        batch = DFlashProposer(drafter, target, capacity=64, batch_size=len(prompts), sampling=sampling)
+        singles_ = [DFlashProposer(drafter, target, capacity=64, sampling=sampling) for _ in prompts]
+        lasts = []
+        for i, ids in enumerate(prompts):
+            logits, hidden, _ = runner(ids, None)
+            n = ids.shape[1]
+            batch.accept(hidden, slice(0, n), torch.arange(n), seq=i)
+            singles_[i].accept(hidden, slice(0, n), torch.arange(n))
+            lasts.append(int(logits[0, -1].argmax()))
+        seqs, pos = [2, 0], [prompts[2].shape[1], prompts[0].shape[1]]  # a subset, out of order
+        rows = batch.propose_rows(seqs, [lasts[s] for s in seqs], pos, 3)
+        for i, s in enumerate(seqs):
+            one = singles_[s].propose(lasts[s], pos[i], 3)
+            if sampling is None:
+                assert not isinstance(rows, tuple) and rows[i].tolist() == one.tolist()
+                continue
+            assert isinstance(rows, Draft) and rows.probs.shape == (2, 3, target.config.vocab_size)
+            torch.testing.assert_close(rows.probs[i], one.probs, atol=1e-5, rtol=1e-4)
+            assert bool((rows.probs[i].gather(-1, rows.tokens[i][:, None]) > 0).all())
+            assert (rows.probs[i] > 0).sum(-1).max() <= 5  # top-k 5 applied to q
+
+
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_the_batch_hands_each_rows_q_to_the_rule(monkeypatch, rule):
+    """Under rejection at T > 0 the verify rule gets the drafts' q [rows, n, V] beside them
+    (the law alone cannot tell: one-hot q is exact too, only accepts less); under match none."""
+    target = tiny_family_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    seen, real = [], batch_module.verify_rows
+
+    def spy(drafts, logits, sampling, probs, rule_):
+        seen.append((tuple(drafts.shape), None if probs is None else tuple(probs.shape), rule_))
+        if probs is not None:  # each row's drafts drawn where its own q is positive
+            assert bool((probs.gather(-1, drafts[..., None]) > 0).all())
+        return real(drafts, logits, sampling, probs, rule_)
+
+    monkeypatch.setattr(batch_module, "verify_rows", spy)
+    spec_generate(target, drafter, PROMPTS[:3], 8, temperature=1.0, verify=rule,
+                  generator=torch.Generator().manual_seed(0))
+    assert seen and all(r == rule for *_, r in seen)
+    V = target.config.vocab_size
+    assert all((q == d + (V,)) if rule == "rejection" else q is None for d, q, _ in seen)

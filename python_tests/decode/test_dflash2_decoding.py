@@ -75,9 +75,10 @@ def test_dflash2_from_v1_decodes_as_the_v1_drafter():
     assert max(accepted) > 1  # drafts were accepted, not only rejected
 
 
-def test_sampling_with_dflash2_follows_the_target_distribution():
-    """At T = 1 the first k tokens follow the target's exact joint law: the sample-and-match
-    verify is lossless for any proposal, the selector's included."""
+@pytest.mark.parametrize("verify", ["rejection", "match"])
+def test_sampling_with_dflash2_follows_the_target_distribution(verify):
+    """At T = 1 the first k tokens follow the target's exact joint law under both rules: the
+    sampled walk verified against its q, and the greedy walk with sample-and-match."""
     vocab, k, n = 3, 3, 200
     target = tiny_target("llama", vocab_size=vocab)
     with torch.no_grad():
@@ -86,7 +87,7 @@ def test_sampling_with_dflash2_follows_the_target_distribution():
     prompt = [1, 2, 0]
     probs = exact_first_tokens(target, prompt, k, vocab)
     g = torch.Generator().manual_seed(1234)
-    runs = [spec_generate(target, drafter, prompt, k, temperature=1.0, generator=g) for _ in range(n)]
+    runs = [spec_generate(target, drafter, prompt, k, temperature=1.0, generator=g, verify=verify) for _ in range(n)]
     assert any(a > 1 for r in runs for a in r.acceptance_lengths)  # drafts were accepted
     codes = torch.tensor([sum(t * vocab ** i for i, t in enumerate(r.tokens)) for r in runs])
     assert chi2_goodness_of_fit(codes, probs) > 1e-3

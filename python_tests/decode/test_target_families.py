@@ -9,6 +9,7 @@ from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode.rollback import CacheRollback
 from dflash_ext.decode.runner import TargetRunner
 from dflash_ext.decode.step import DecodeState, speculative_step
+from dflash_ext.draft.sampling import process_logits
 from dflash_ext.testing.oracle import OracleProposer
 from dflash_ext.testing.targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
 
@@ -159,9 +160,9 @@ def test_a_cache_that_cannot_roll_back_is_an_error_naming_it():
 
 
 @torch.no_grad()
-def exact_first_tokens(target, prompt, k, vocab):
-    """P(the first k generated tokens = each sequence) of the target at T = 1, by enumeration;
-    a sequence's index is sum_i t_i vocab^i."""
+def exact_first_tokens(target, prompt, k, vocab, temperature=1.0, top_k=0, top_p=1.0):
+    """P(the first k generated tokens = each sequence) of the target sampled at `temperature`
+    (and top-k, top-p: its processed law), by enumeration; a sequence's index is sum_i t_i vocab^i."""
     probs = torch.zeros(vocab ** k, dtype=torch.float64)
     runner = TargetRunner(target)
 
@@ -170,7 +171,7 @@ def exact_first_tokens(target, prompt, k, vocab):
             probs[code] = p
             return
         logits, _, _ = runner(torch.tensor([prompt + prefix]), None, hidden_states=False, last_logits_only=True)
-        q = logits[0, -1].double().softmax(-1)
+        q = process_logits(logits[0, -1:], temperature, top_k, top_p)[0].double().softmax(-1)
         for t in range(vocab):
             walk(prefix + [t], p * q[t], code + t * vocab ** len(prefix))
 

@@ -1,6 +1,8 @@
 """DFlash through Hugging Face generate(assistant_model=DFlashAssistant(drafter),
 speculation_type="dflash"): lossless, the same drafts as spec_generate, sampling runs,
 and bad use is a clear error."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -161,6 +163,31 @@ def test_sampling_runs_and_reports_acceptance(target):
     assert 1 <= len(out) <= 20 and all(0 <= t < target.config.vocab_size for t in out)
     assert assistant.acceptance_lengths and all(1 <= n <= 4 for n in assistant.acceptance_lengths)
     assert 1 <= assistant.tau <= 4
+
+
+def test_sampling_through_hf_generate_follows_the_target_law(monkeypatch):
+    """do_sample=True with the assistant: transformers samples the candidates from the target's
+    LM head over the returned hidden states, processed as the target's logits, hands their
+    logits to its own speculative sampling (verified here by a spy), and the first tokens
+    follow the target's exact processed law."""
+    import transformers.generation.utils as hf_utils
+    from python_tests.decode.test_rejection import P_VALUE, VOCAB, _codes, _spread_target
+    from python_tests.decode.test_target_families import chi2_goodness_of_fit, exact_first_tokens
+
+    target = _spread_target("llama")
+    target.generation_config.eos_token_id = None  # token 2 of 3 is the config's eos: every token counts here
+    assistant = DFlashAssistant(DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, seed=1), target)
+    calls = []
+    real = hf_utils._speculative_sampling
+    monkeypatch.setattr(hf_utils, "_speculative_sampling", lambda *a, **k: calls.append(1) or real(*a, **k))
+    k, runs, sampling = 3, 240, dict(temperature=0.7, top_k=2)
+    prompt = [1, 2, 1]  # no token 0: generate reads it as padding (hf_generate's pad_token_id) and masks it
+    probs = exact_first_tokens(target, prompt, k, VOCAB, **sampling)
+    torch.manual_seed(1234)
+    outs = [SimpleNamespace(tokens=hf_generate(target, assistant, prompt, k, do_sample=True, **sampling))
+            for _ in range(runs)]
+    assert len(calls) >= runs  # every run verified candidates by speculative sampling
+    assert chi2_goodness_of_fit(_codes(outs), probs) > P_VALUE
 
 
 def test_bad_use_is_a_clear_error(target):

@@ -1,0 +1,103 @@
+"""Sampling a token from logits, for the drafter and the target alike: the one logit
+processing (:func:`process_logits`: temperature, top-k, top-p), a token of it
+(:func:`sample_token`), and the drafter's sampled draft at T > 0 (:func:`sample_draft`: each
+slot's token and the distribution q it was drawn from, a :class:`Draft`, which the rejection
+verify rule reads: :func:`~dflash_ext.decode.verify.verify`).
+
+It lives here, below the decoding, because both sides sample with it: the drafter's q is
+processed exactly as the target's p (the same temperature, top-k and top-p), over the draft
+vocabulary where the drafter has one (q is zero outside it), or for a DFlash2 drafter over
+each slot's top-K candidates along the selector's walk (softmax(scores / T), as the serving
+engines sample it).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..model.layers import CandidateSelector
+
+__all__ = ["process_logits", "sample_token", "Draft", "split_draft", "sample_draft"]
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The logits ``[..., V]`` of the distribution a token is sampled from at ``temperature > 0``
+    (float32; softmax gives its probabilities): divided by the temperature, the tokens outside
+    the top-k (0: off) and outside the smallest prefix reaching probability top-p (1: off) at
+    -inf, the most likely token always kept."""
+    # Shifted by the row maximum and divided in float64, every finite temperature > 0 is
+    # finite math: one so small that logits / T would overflow float32 (inf - inf = NaN in the
+    # softmax) gives -inf to every token below the maximum, the greedy limit (ties shared).
+    logits = logits.double()
+    logits = ((logits - logits.amax(-1, keepdim=True)) / temperature).float()
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and the most likely token whatever top_p is (below float32's range it reads as 0)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One index per row of ``probs [..., V]`` (any leading shape)."""
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of ``logits [..., V]``: argmax at temperature 0, else a sample of the
+    :func:`process_logits` distribution."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return _sample(process_logits(logits, temperature, top_k, top_p).softmax(-1), generator)
+
+
+class Draft(NamedTuple):
+    """A sampled draft: `tokens [..., n]` and `probs [..., n, V]`, the distribution q each was
+    drawn from over the target's vocabulary (float32; zero outside what the drafter proposes).
+    A proposer that returns plain tokens proposes them with certainty (q one-hot)."""
+    tokens: torch.Tensor
+    probs: torch.Tensor
+
+
+def split_draft(proposed):
+    """What a proposer returned as (tokens, q): a :class:`Draft`'s, or plain tokens and None
+    (proposed with certainty: q one-hot to the verify rule)."""
+    return tuple(proposed) if isinstance(proposed, tuple) else (proposed, None)
+
+
+def sample_draft(hidden: torch.Tensor, logits: torch.Tensor, vocab_size: int, sampling: dict,
+                 vocab: Optional[torch.Tensor] = None, selector: Optional[CandidateSelector] = None,
+                 anchor: Optional[torch.Tensor] = None) -> Draft:
+    """The drafter's draft at T > 0 from the prediction slots' final hidden states
+    ``hidden [Bsz, n, H]`` and LM-head ``logits [Bsz, n, V']`` (V' the draft vocabulary when
+    `vocab` maps its rows to token ids): each slot's token sampled from q = the
+    :func:`process_logits` distribution (`sampling`: :func:`sample_token`'s keyword arguments,
+    temperature > 0), or a DFlash2 drafter's `selector` walk from the `anchor` tokens [Bsz],
+    each slot sampled from its candidates' processed scores after the token drawn before it.
+    q is returned over the `vocab_size` token ids of the target (zero outside V' / the K
+    candidates)."""
+    temperature, top_k, top_p = sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0)
+    generator = sampling.get("generator")
+    if not temperature > 0:
+        raise ValueError(f"sample_draft samples at a temperature > 0, got {temperature!r} (greedy: draft_tokens)")
+    Bsz, n = logits.shape[:2]
+    if selector is None:
+        q = process_logits(logits, temperature, top_k, top_p).softmax(-1)  # [Bsz, n, V']
+        rows = _sample(q, generator)
+        if vocab is None:
+            return Draft(rows, q)
+        return Draft(vocab[rows], q.new_zeros(Bsz, n, vocab_size).index_copy_(-1, vocab, q))
+    slot_probs = []
+
+    def choose(score: torch.Tensor) -> torch.Tensor:  # [Bsz, K] -> the candidate drawn, [Bsz]
+        q = process_logits(score, temperature, top_k, top_p).softmax(-1)
+        slot_probs.append(q)
+        return _sample(q, generator)
+
+    tokens, candidates = selector.walk(hidden, logits, anchor, vocab, choose)
+    q = logits.new_zeros(Bsz, n, vocab_size, dtype=torch.float32)
+    return Draft(tokens, q.scatter_(-1, candidates, torch.stack(slot_probs, 1)))
