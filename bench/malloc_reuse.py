@@ -17,8 +17,8 @@ from bench import _common
 
 _CHILD = """
 import sys
-import dflash_ext.__main__ as cli
-import dflash_ext.hardware as hardware
+from dflash_ext.cli import main as cli
+from dflash_ext.ops import hardware
 if sys.argv[1] == "default":
     hardware.keep_freed_memory = lambda: False  # the CLI calls it through the module
 cli.main(sys.argv[2:])

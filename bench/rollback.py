@@ -6,7 +6,7 @@ How to run (from the repository root, with the extension already built)::
     .venv/bin/python -m bench.rollback --quick    # shorter timing
     .venv/bin/python -m bench.rollback --families qwen3_5 --hidden 1024 --context 2048
 
-Each target is a random model of its family (dflash_ext/testing_targets.py, every width
+Each target is a random model of its family (dflash_ext/testing/targets.py, every width
 following --hidden; sliding layers alternate with full ones, the hybrid puts a full-attention
 layer every --full-every layers among Gated DeltaNet ones, as Qwen3.5 does), run as
 spec_generate runs it (linear layers streamed). After a prefill of --context tokens, the
@@ -15,7 +15,7 @@ verify pass over --block tokens is timed two ways, interleaved, --reps times eac
 - ``pass``: on a cache that records nothing (the cache a target alone decodes with; after
   each, untimed, its full-attention layers are cropped back to the context; its bounded layers,
   window and linear states, keep their size whatever they hold, and so their cost);
-- ``recorded pass`` + ``crop``: on the cache as :class:`dflash_ext.target.CacheRollback`
+- ``recorded pass`` + ``crop``: on the cache as :class:`dflash_ext.decode.rollback.CacheRollback`
   prepares it (transformers' past recording where a layer keeps a bounded state; nothing
   otherwise), then the rollback of the block (all of it, which makes the step repeatable; a
   crop costs the same whatever it drops).
@@ -66,7 +66,7 @@ def parse_args(argv=None):
 
 
 def build_target(family, args):
-    from dflash_ext.testing_targets import tiny_family_target
+    from dflash_ext.testing.targets import tiny_family_target
 
     return tiny_family_target(family, num_hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden,
                               sliding_window=args.window, full_attention_interval=args.full_every,
@@ -81,7 +81,9 @@ def _median(xs):
 def measure_family(family, args):
     from transformers.cache_utils import DynamicLayer
 
-    from dflash_ext.target import CacheRollback, TargetRunner, streamed_linears
+    from dflash_ext import streamed_linears
+    from dflash_ext.decode.rollback import CacheRollback
+    from dflash_ext.decode.runner import TargetRunner
 
     target = build_target(family, args)
     runner = TargetRunner(target)

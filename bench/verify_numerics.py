@@ -13,12 +13,12 @@ greedy continuations of the target), this script measures
      every linear layer on one row at a time (M = 1) and attention one query at a time
      over its own prefix (so no reduction order depends on B);
   3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
-     layer on 1..8 rows through ops.skinny_linear: dflash_ext.target.streamed_linears);
+     layer on 1..8 rows through ops.skinny_linear: dflash_ext.streamed_linears);
   4. the same for an *exact* verify: the streamed linear layers and attention one query at
      a time, against one-token decoding with its linear layers streamed too. skinny_linear
      takes each row's dot products in the same order for 1 to 4 rows (csrc/cpu/cpu_utils.h,
      skinny_gemm_nt), so where every linear layer of the target streams (its rule:
-     dflash_ext.hardware.skinny_linear_streams) a verify over B <= 4 tokens should give
+     dflash_ext.ops.linear.skinny_linear_streams) a verify over B <= 4 tokens should give
      that decoding's logits bit for bit at little cost;
   5. what each costs against one one-token forward, for B in --sizes (median times), and
      what one-token decoding itself costs with its linear layers streamed too (could the
@@ -40,7 +40,9 @@ import torch
 
 from bench import _common
 from bench._common import DTYPES, OUT_DIR, format_table
-from dflash_ext.target import TargetRunner, crop_cache, streamed_linears
+from dflash_ext import streamed_linears
+from dflash_ext.decode.rollback import crop_cache
+from dflash_ext.decode.runner import TargetRunner
 
 ROWWISE_ATTENTION = "rowwise_sdpa"  # no "flash" in the name: transformers would look for a flash-attention kernel
 
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     if min(args.sizes) < 2:
         sys.exit("verify_numerics.py: --sizes must be >= 2 (B = 1 is one-token decoding)")
     device, _ = _common.start(args, op_names=(), prog="verify_numerics.py")
-    from dflash_ext.models import load_target
+    from dflash_ext import load_target
     from dflash_ext.prompts import load_prompts
 
     n_prompts = args.n or (1 if args.quick else 4)

@@ -212,7 +212,7 @@ void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cp
   }
 }
 
-// ---------------------------------------------------------------- the draft layer's norms (appended block)
+// ---------------------------------------------------------------- the draft layer's norms
 
 RmsNormDims check_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.defined() && x.dim() >= 1, "x must be a tensor [..., H] of at least 1 dimension, got shape ",

@@ -1,45 +1,72 @@
-"""dflash_ext: fused PyTorch ops for DFlash block-diffusion speculative decoding.
+"""dflash_ext: DFlash block-diffusion speculative decoding, over fused PyTorch ops.
 
-Importing the package loads the compiled extension, which registers the ops under
-``torch.ops.dflash_ext``; :mod:`dflash_ext.ops` is the public API and
-:mod:`dflash_ext.reference` the plain-PyTorch specification of every op.
-:func:`info` (``python -m dflash_ext info``) says what was built and what runs here.
+The public API, exported here once (its layers, one way down: docs/layout.md):
+
+- the ops (``torch.ops.dflash_ext.*``): :func:`project_features`, :func:`inject_context_kv`,
+  :func:`block_attention`, :func:`skinny_linear`, :func:`block_conv`, :func:`rms_norm`,
+  :func:`qk_norm_rope`; the modules :mod:`ops` (the op API), :mod:`reference` (the
+  plain-PyTorch specification of every op) and :mod:`hardware` (CPU features, ISA level,
+  dtype choice); :func:`streamed_linears` (a model's linear layers through skinny_linear);
+- the drafter: :class:`DFlashDrafter`, :class:`DFlashConfig`;
+- drafting: :class:`DFlashProposer` (spec_generate's), :class:`DFlashAssistant` (an
+  ``assistant_model`` for Hugging Face ``generate``);
+- decoding: :func:`spec_generate`, :func:`target_generate`, :class:`GenerationResult`,
+  :func:`choose_block_size`, :class:`BlockSizeChoice`;
+- the embedded default target and its drafter: :func:`load_default_target`,
+  :func:`load_target`, :func:`default_drafter_path`;
+- :func:`info` (``python -m dflash_ext info``): what was built and what runs here.
+
+Importing the package loads the compiled extension; the rest loads on first use.
 """
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it from this line
+import importlib
+
 import torch  # noqa: F401  (loads libtorch before the extension that links to it)
 
-from ._cpu_check import require_cpu_features
-from .hardware import cap_onednn_isa_from_env
+from . import _deprecated, ops  # noqa: E402  (ops loads the compiled extension)
+from .ops import (block_attention, block_conv, hardware, inject_context_kv, project_features,  # noqa: E402
+                  qk_norm_rope, reference, rms_norm, skinny_linear)
 
-require_cpu_features()
-cap_onednn_isa_from_env()
+# The public names that load on first use (the decoding side imports transformers), by module.
+_LAZY = {
+    "streamed_linears": "ops.linear",
+    "DFlashDrafter": "model.drafter",
+    "DFlashConfig": "model.config",
+    "load_target": "model.pretrained",
+    "load_default_target": "model.pretrained",
+    "default_drafter_path": "model.pretrained",
+    "DFlashProposer": "draft.proposer",
+    "DFlashAssistant": "draft.assistant",
+    "spec_generate": "decode.loop",
+    "target_generate": "decode.loop",
+    "GenerationResult": "decode.loop",
+    "choose_block_size": "decode.autotune",
+    "BlockSizeChoice": "decode.autotune",
+}
 
-try:
-    from . import _C  # noqa: E402  (registers torch.ops.dflash_ext.*)
-except ModuleNotFoundError as e:
-    if e.name != f"{__name__}._C":
-        raise
-    raise ImportError("dflash_ext's compiled extension is not built here: ./run.sh builds it, or "
-                      "pip install --no-build-isolation -e . (docs/build.md)") from e
-except ImportError as e:  # most often a torch other than the one the extension was built with
-    raise ImportError(f"dflash_ext {__version__}: its compiled extension failed to load with torch "
-                      f"{torch.__version__} ({e}). It loads only with the torch minor version it was built "
-                      "against (pyproject.toml: torch>=2.14,<2.15): install that torch, or rebuild "
-                      "(pip install --no-build-isolation .)") from e
-from . import hardware, ops, reference  # noqa: E402
-
-_C._cpu_isa()  # reads DFLASH_CPU_ISA now: a bad value is an error at import, not at a call
-from .ops import block_attention, block_conv, inject_context_kv, project_features, skinny_linear  # noqa: E402
+__all__ = ["ops", "reference", "hardware", "project_features", "inject_context_kv", "block_attention", "skinny_linear",
+           "block_conv", "rms_norm", "qk_norm_rope", "info", *_LAZY]
 
 
 def info() -> dict:
     """What a bug report needs: versions, the CUDA architectures compiled in and whether they
     run here, the CPU ISA and each op's path, the default target and drafter found
     (:mod:`dflash_ext.diagnostics`; ``python -m dflash_ext info`` prints it)."""
-    from .diagnostics import info as _info
+    from .diagnostics import info as report
 
-    return _info()
+    return report()
 
 
-__all__ = ["ops", "reference", "project_features", "inject_context_kv", "block_attention", "skinny_linear", "block_conv",
-           "info"]
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+_deprecated.install(__name__, __all__)

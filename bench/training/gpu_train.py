@@ -54,7 +54,7 @@ RESULT_NAME = "gpu_train.json"
 EXPORT_NAME = "drafter.tar"
 EXPORT_PART_MIB = 15  # $OUT brings back files of at most 16 MiB
 STEP_LINE = re.compile(r"\[train\] step (\d+)/(\d+) .* (\d+) slot-tokens/s")
-EVAL_LINE = re.compile(r"\[eval\] step (\d+) slot-tokens (\d+) held-out tau ([0-9.]+) \((\d+)s\)")
+EVAL_LINE = re.compile(r"\[eval\] step (\d+) slot-tokens (\d+) held-out tau ([0-9.]+)(?:, [^(]*)? \((\d+)s\)")
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -90,7 +90,7 @@ def prepare(tokenizer, out_dir: str, heldout_data: str, holdout: int, exclude_da
     `exclude_data` (by id and by prompt); the held-out records that tau is measured on
     (``split_holdout``: those whose prompt no training record of `heldout_data` repeats).
     `prompts` ((id, text) pairs) replaces the training sources (tests)."""
-    from dflash_ext.checkpoint import write_file_atomically
+    from dflash_ext.model.checkpoint import write_file_atomically
     from dflash_ext.training.data import load_records, split_holdout
 
     records = load_records(heldout_data)
@@ -157,7 +157,7 @@ class Generator:
     def run(self, until: float) -> None:
         """Generate batch after batch while a batch may start before time.time() reaches
         `until` (a batch started just before it runs to its end)."""
-        from dflash_ext.checkpoint import write_file_atomically
+        from dflash_ext.model.checkpoint import write_file_atomically
         from dflash_ext.training.data import greedy_batch, left_padded
 
         while not self.exhausted and time.time() < until:
@@ -251,7 +251,7 @@ def export_checkpoint(train_dir: str, out_dir: str, work_dir: str) -> dict:
     """The checkpoint in `train_dir` as bf16 (as ``python -m dflash_ext export``) with the
     run's eval.jsonl, tarred and split into `out_dir` (``tools.gpu.parts``). Returns the
     step and slot-tokens of that checkpoint."""
-    from dflash_ext.drafter import DFlashDrafter
+    from dflash_ext import DFlashDrafter
 
     state = torch.load(os.path.join(train_dir, "trainer_state.pt"), weights_only=False, mmap=True,
                        map_location="cpu")  # the optimizer state stays off the GPU
@@ -275,7 +275,7 @@ def recipe_config(args, data: str, extra_data: str, out: str, layer_ids, **run):
     """The training run's TrainConfig: the existing recipe (the shipped drafter's last
     continuations: B = 4, 256 anchors, 8 sequences a step, gamma 2, 16,384-token loss
     vocabulary) unless the flags say otherwise; `run` sets steps, saving, logging."""
-    from dflash_ext.training.trainer import TrainConfig
+    from dflash_ext.training.train_config import TrainConfig
 
     return TrainConfig(data=data, extra_data=[extra_data], out=out, init=args.init, num_layers=args.num_layers,
                        block_size=args.block_size, anchors=args.anchors, batch_size=args.batch_size, lr=args.lr,
@@ -285,7 +285,7 @@ def recipe_config(args, data: str, extra_data: str, out: str, layer_ids, **run):
 
 
 def _write_json(path: str, obj) -> None:
-    from dflash_ext.checkpoint import write_file_atomically
+    from dflash_ext.model.checkpoint import write_file_atomically
 
     def write(p):
         with open(p, "w") as f:
@@ -296,8 +296,7 @@ def _write_json(path: str, obj) -> None:
 
 def run(args) -> dict:
     """The whole GPU run (module docstring); returns what it writes to gpu_train.json."""
-    from dflash_ext.drafter import DFlashDrafter
-    from dflash_ext.models import load_target
+    from dflash_ext import DFlashDrafter, load_target
     from dflash_ext.training.data import load_records
     from dflash_ext.training.trainer import train
 
@@ -464,7 +463,7 @@ def main(argv=None) -> int:
     if args.command == "prepare":
         from transformers import AutoTokenizer
 
-        from dflash_ext.models import default_target_path
+        from dflash_ext.model.pretrained import default_target_path
 
         tokenizer = AutoTokenizer.from_pretrained(args.target or default_target_path())
         meta = prepare(tokenizer, args.out, args.heldout_data, args.holdout, args.exclude_data, args.max_prompt_tokens)

@@ -11,7 +11,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import dflash_ext.__main__ as cli
+from dflash_ext.cli import main as cli
 from bench import _common
 
 

@@ -92,7 +92,7 @@ def prompt_text(text):
 
 def target_name(text):
     """--target: a local model folder or a Hugging Face repo id; what can only be a path must exist."""
-    from ..models import looks_like_local_path
+    from ..model.pretrained import looks_like_local_path
 
     if looks_like_local_path(text) and not os.path.isdir(os.path.expanduser(text)):
         raise argparse.ArgumentTypeError(f"{text}: no such directory")
@@ -124,7 +124,7 @@ def torch_device(text):
     return text
 
 
-def _data_records(flag, folder):
+def data_records(flag, folder):
     """The records of a gen-data folder, or a usage error naming `flag` when it has none."""
     from ..training.data import load_records
 
@@ -134,29 +134,29 @@ def _data_records(flag, folder):
     return records
 
 
-def _is_nonempty_dir(path) -> bool:
+def is_nonempty_dir(path) -> bool:
     return os.path.isdir(path) and bool(os.listdir(path))
 
 
-def _target_text_config(target):
+def read_target_config(target):
     """The text config of --target (None: the embedded default), read without its weights."""
     from transformers import AutoConfig
 
-    from ..config import target_text_config
-    from ..models import default_target_path
+    from ..model.config import target_text_config
+    from ..model.pretrained import default_target_path
 
     return target_text_config(AutoConfig.from_pretrained(target or default_target_path()))
 
 
-def _target_layer_count(target) -> int:
+def target_layer_count(target) -> int:
     """The decoder layers of --target (None: the embedded default), from its config alone."""
-    return _target_text_config(target).num_hidden_layers
+    return read_target_config(target).num_hidden_layers
 
 
-def _drafter_config(flag, folder):
+def drafter_config(flag, folder):
     """The DFlashConfig of the drafter folder `folder` (its config.json alone, no weights read);
     one that would not load is a usage error naming `flag`."""
-    from ..config import DFlashConfig
+    from ..model.config import DFlashConfig
 
     path = os.path.join(folder, "config.json")
     try:
@@ -166,14 +166,14 @@ def _drafter_config(flag, folder):
         raise UsageError(f"argument {flag}: {e}") from None
 
 
-def _check_drafter_fits(drafter, target_config) -> None:
+def check_drafter_fits(drafter, target_config) -> None:
     try:
         drafter.check_fits(target_config)
     except ValueError as e:
         raise UsageError(f"argument --drafter: {e}") from None
 
 
-def _check_layer_ids(layer_ids, num_layers):
+def check_layer_ids(layer_ids, num_layers):
     if layer_ids and max(layer_ids) >= num_layers:
         raise UsageError(f"argument --layer-ids: the target has {num_layers} layers (ids 0..{num_layers - 1}), "
                          f"got {layer_ids}")

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from ..timing import fastest_target_alone
-from .args import UsageError, _check_drafter_fits
+from ..decode.autotune import fastest_target_alone
+from .args import UsageError, check_drafter_fits
 
 
 class _Streamer:
@@ -70,10 +70,11 @@ def _same_output_line(dflash, reference, dtype, reference_name) -> tuple:
 
 
 def cmd_generate(args):
-    from ..decoding import choose_block_size, spec_generate, target_generate
-    from ..drafter import DFlashDrafter
-    from ..hardware import cpu_description
-    from ..models import MissingPackage, default_drafter_path, load_target
+    from ..decode.autotune import choose_block_size
+    from ..decode.loop import spec_generate, target_generate
+    from ..model.drafter import DFlashDrafter
+    from ..model.pretrained import MissingPackage, default_drafter_path, load_target
+    from ..ops.hardware import cpu_description
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -112,7 +113,7 @@ def cmd_generate(args):
                   file=sys.stderr)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-        _check_drafter_fits(drafter, model.config)
+        check_drafter_fits(drafter, model.config)
         note = f"drafter: {args.drafter}"
     else:
         # a drafter's block is >= 2; at --block-size 1 it drafts nothing anyway
@@ -204,7 +205,8 @@ def _check_static_cache(model, max_cache_len: int) -> None:
     """Usage error naming --static-cache where the loop could not roll the target's static
     cache back (sliding windows that can fill): transformers allocates a cache's layers on
     their first update, so this probe costs nothing."""
-    from ..target import CacheRollback, static_cache
+    from ..decode.rollback import CacheRollback
+    from ..decode.runner import static_cache
 
     try:
         CacheRollback(static_cache(model, max_cache_len), 1)

@@ -39,8 +39,7 @@ def main(argv=None):
                    help="the target's cache is transformers' StaticCache (a rollback lowers its length); on CUDA the "
                         "verify pass of B tokens and the target alone's one-token pass run compiled in CUDA graphs "
                         "(torch.compile reduce-overhead; the first steps compile). Full-attention targets compile, "
-                        "Gated-DeltaNet hybrids run the static cache eagerly, sliding-window targets are refused. "
-                        "Not yet run on a GPU")
+                        "Gated-DeltaNet hybrids run the static cache eagerly, sliding-window targets are refused")
     g.add_argument("--baseline", action="store_true",
                    help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -124,7 +123,8 @@ def main(argv=None):
                    help="the highest-id records of --data, less those whose prompt a training record has")
     v.add_argument("--extra-data", type=existing_dir, nargs="*", default=None,
                    help="the run's --extra-data folders: held-out records with one of their prompts are left out")
-    v.add_argument("--eval-stride", type=positive_int, default=8)
+    v.add_argument("--eval-stride", type=positive_int, default=None,
+                   help="held-out anchors every N response positions (default: train's, so both measure one tau)")
     v.add_argument("--threads", type=positive_int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
     e.add_argument("--src", type=drafter_folder, required=True)
@@ -144,7 +144,7 @@ def main(argv=None):
                 "export": cmd_export, "info": cmd_info}
     try:
         if args.command in ("gen-data", "train", "eval"):  # jobs that own their process and its allocator
-            from .. import hardware
+            from ..ops import hardware
 
             hardware.keep_freed_memory()
         commands[args.command](args)

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .args import UsageError, _check_drafter_fits, _check_layer_ids, _data_records, _drafter_config, \
-    _is_nonempty_dir, _target_layer_count, _target_text_config
+from .args import UsageError, check_drafter_fits, check_layer_ids, data_records, drafter_config, is_nonempty_dir, \
+    read_target_config, target_layer_count
 
 
 def train_run_config(args):
@@ -18,14 +18,15 @@ def train_run_config(args):
     import dataclasses
 
     from ..training.data import FeatureStore
-    from ..training.trainer import TrainConfig, run_config, trainable
+    from ..training.train_config import TrainConfig, run_config
+    from ..training.trainer import trainable
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:  # only the flags given (not None): a resumed run takes the saved run's value of the others
         cfg, resume = run_config({k: v for k, v in vars(args).items() if k in fields and v is not None})
     except ValueError as e:  # the message names the flag (--out, or the flag that differs from the saved run)
         raise UsageError(str(e)) from None
-    records = _data_records("--data", cfg.data)
+    records = data_records("--data", cfg.data)
     if not any(trainable(r, cfg.max_len) for r in records):
         raise UsageError(f"argument --max-len: cut to {cfg.max_len} tokens, no record of {cfg.data} keeps two "
                          f"response tokens to train on")
@@ -33,11 +34,11 @@ def train_run_config(args):
         raise UsageError(f"argument --holdout: holding out {cfg.holdout} of the {len(records)} records of "
                          f"{cfg.data} leaves none to train on")
     for folder in cfg.extra_data:
-        _data_records("--extra-data", folder)
+        data_records("--extra-data", folder)
     if cfg.eval_every and not cfg.holdout:  # the trainer would skip every measurement
         raise UsageError("argument --eval-every: measures tau on held-out records, and --holdout holds none out")
     if cfg.layer_ids:
-        _check_layer_ids(cfg.layer_ids, _target_layer_count(args.target))
+        check_layer_ids(cfg.layer_ids, target_layer_count(args.target))
     _check_drafter_settings(args, cfg, resume)
     cached = cfg.features == "cached" or (cfg.features == "auto" and len(FeatureStore(cfg.data)))
     if cfg.extra_data and cached:
@@ -61,12 +62,12 @@ def _check_drafter_settings(args, cfg, resume: bool) -> None:
 
     from ..training.train_config import run_layer_ids
 
-    init = None if resume or cfg.init in ("random", "target") else _drafter_config("--init", cfg.init)
+    init = None if resume or cfg.init in ("random", "target") else drafter_config("--init", cfg.init)
     if init is not None:
         if cfg.num_layers is not None and cfg.num_layers < init.num_hidden_layers:
             raise UsageError(f"argument --num-layers: --init {cfg.init} has {init.num_hidden_layers} layers; a "
                              f"continuation can add layers, not drop them, got {cfg.num_layers}")
-        layers = run_layer_ids(cfg, _target_layer_count(args.target))
+        layers = run_layer_ids(cfg, target_layer_count(args.target))
         if list(init.target_layer_ids) != list(layers):
             source = "--layer-ids" if cfg.layer_ids else "the data's meta.json or the default rule"
             raise UsageError(f"argument --init: {cfg.init} reads target layers {list(init.target_layer_ids)}, the "
@@ -89,7 +90,7 @@ def _check_drafter_settings(args, cfg, resume: bool) -> None:
                                  f"with {field} {getattr(init, field)}, which a continuation keeps; got "
                                  f"{getattr(args, field)}")
     k = init.selector_top_k if init is not None and init.is_dflash2 else cfg.selector_top_k
-    vocab = _target_text_config(args.target).vocab_size
+    vocab = read_target_config(args.target).vocab_size
     if k > vocab:
         raise UsageError(f"argument --selector-top-k: the target's vocabulary has {vocab} tokens, got {k}")
     if cfg.loss_vocab and cfg.loss_vocab < k:
@@ -99,15 +100,15 @@ def _check_drafter_settings(args, cfg, resume: bool) -> None:
 
 def resolve_dtype(name: str, device) -> torch.dtype:
     """--dtype of gen-data (batched generation): auto = bf16 on CUDA and on CPUs with bf16 units."""
-    from ..hardware import fastest_dtype
+    from ..ops.hardware import fastest_dtype
 
     return fastest_dtype(device) if name == "auto" else getattr(torch, name)
 
 
 def cmd_gen_data(args):
-    from ..config import default_target_layer_ids
-    from ..hardware import cpu_description
-    from ..models import load_target
+    from ..model.config import default_target_layer_ids
+    from ..model.pretrained import load_target
+    from ..ops.hardware import cpu_description
     from ..prompts import TRAINING_SOURCES, training_prompts
     from ..training.data import compute_features, generate_responses, load_records, write_meta
 
@@ -116,19 +117,27 @@ def cmd_gen_data(args):
     if args.offset >= len(source):
         raise UsageError(f"argument --offset: {args.prompts} has {len(source)} prompts, got offset {args.offset}")
     prompts = source[args.offset:args.offset + args.n]
-    num_layers = _target_layer_count(args.target)  # the features would fail only after every response
+    num_layers = target_layer_count(args.target)  # the features would fail only after every response
     if not args.layer_ids and args.num_features > num_layers:
         raise UsageError(f"argument --num-features: the target has {num_layers} layers, got {args.num_features}")
-    _check_layer_ids(args.layer_ids, num_layers)
+    check_layer_ids(args.layer_ids, num_layers)
     layer_ids = args.layer_ids or default_target_layer_ids(num_layers, args.num_features)
     dtype = resolve_dtype(args.dtype, "cpu")  # generation in the fastest dtype this CPU has
     model, tok = load_target(args.target, dtype=dtype)
     id_base = TRAINING_SOURCES[args.prompts][1] + args.offset
     before = len(load_records(args.out)) if os.path.isdir(args.out) else 0
     start = time.perf_counter()
-    n = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, id_base=id_base)
+    n, too_long = generate_responses(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                     max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                                     id_base=id_base)
     seconds = time.perf_counter() - start
+    if too_long:
+        shown = ", ".join(str(i - id_base + args.offset) for i in too_long[:10]) + (", ..." if len(too_long) > 10 else "")
+        print(f"[dflash_ext] skipped {len(too_long)} of {len(prompts)} prompts of {args.prompts} longer than "
+              f"--max-prompt-tokens {args.max_prompt_tokens} tokens (their indices: {shown})", file=sys.stderr)
+    if n == 0:
+        raise UsageError(f"argument --max-prompt-tokens: every one of the {len(prompts)} prompts is longer than "
+                         f"{args.max_prompt_tokens} tokens: no record was written to {args.out}")
     records = load_records(args.out)
     if not args.no_features:
         compute_features(model, args.out, layer_ids)
@@ -138,7 +147,7 @@ def cmd_gen_data(args):
             "batch_size": args.batch_size, "prompts": f"{args.prompts}: its prompts {args.offset} .. "
                                                      f"{args.offset + len(prompts) - 1} (record ids from {id_base})",
             "response_tokens": sum(len(r["input_ids"]) - r["response_start"] for r in records),
-            "this_run": {"responses": n - before, "seconds": round(seconds, 1),
+            "this_run": {"responses": n - before, "skipped_too_long": len(too_long), "seconds": round(seconds, 1),
                          "responses_per_hour": round((n - before) * 3600 / seconds) if seconds else None,
                          "cpu": cpu_description()}}
     write_meta(args.out, meta)
@@ -149,7 +158,7 @@ def cmd_gen_data(args):
 def cmd_train(args):
     import torch.distributed as dist
 
-    from ..models import load_target
+    from ..model.pretrained import load_target
     from ..training.trainer import train
 
     cfg = train_run_config(args)
@@ -167,36 +176,37 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
-    from ..drafter import DFlashDrafter
-    from ..models import load_target
+    from ..model.drafter import DFlashDrafter
+    from ..model.pretrained import load_target
     from ..training.data import drop_trained_prompts, split_holdout
-    from ..training.trainer import TrainConfig, evaluate_drafter
+    from ..training.train_config import TrainConfig
+    from ..training.trainer import evaluate_drafter
 
     torch.set_num_threads(args.threads)
-    _, heldout = split_holdout(_data_records("--data", args.data), args.holdout)
+    _, heldout = split_holdout(data_records("--data", args.data), args.holdout)
     for folder in args.extra_data or []:
-        heldout = drop_trained_prompts(heldout, _data_records("--extra-data", folder))
+        heldout = drop_trained_prompts(heldout, data_records("--extra-data", folder))
     if not heldout:
         raise UsageError(f"argument --holdout: the {args.holdout} highest-id records of {args.data} all have a "
                          "training record's prompt: none is left to measure tau on (a larger --holdout holds out more)")
     target, _ = load_target(args.target, tokenizer=False)
     drafter = DFlashDrafter.from_pretrained(args.drafter)
-    _check_drafter_fits(drafter, target.config)
+    check_drafter_fits(drafter, target.config)
+    stride = {} if args.eval_stride is None else {"eval_stride": args.eval_stride}  # None: TrainConfig's
     cfg = TrainConfig(data=args.data, out="", block_size=drafter.config.block_size, holdout=args.holdout,
-                      eval_stride=args.eval_stride, extra_data=args.extra_data or [],
-                      features="live" if args.extra_data else "auto")
-    tau, accept = evaluate_drafter(drafter, target, cfg)
+                      extra_data=args.extra_data or [], features="live" if args.extra_data else "auto", **stride)
+    held = evaluate_drafter(drafter, target, cfg)
     print(json.dumps({"drafter": args.drafter, "data": args.data, "extra_data": args.extra_data,
-                      "holdout": args.holdout, "eval_stride": args.eval_stride, "tau": tau, "accept": accept}))
+                      "holdout": args.holdout, "eval_stride": cfg.eval_stride, **held._asdict()}))
 
 
 def cmd_export(args):
-    from ..drafter import DFlashDrafter
+    from ..model.drafter import DFlashDrafter
     from ..training.data import split_holdout
-    from ..training.trainer import most_frequent_tokens
+    from ..training.loss import most_frequent_tokens
 
     # Everything checked before anything is written.
-    if _is_nonempty_dir(args.dst) and not args.overwrite:
+    if is_nonempty_dir(args.dst) and not args.overwrite:
         raise UsageError(f"argument --dst: {args.dst} exists and is not empty; --overwrite replaces its checkpoint")
     if args.data is not None and not args.draft_vocab:
         raise UsageError("argument --data: only --draft-vocab K > 0 reads it")
@@ -204,14 +214,14 @@ def cmd_export(args):
         if args.data is None:
             raise UsageError("argument --draft-vocab: K > 0 needs --data (the training data folder whose "
                              "response tokens are counted)")
-        src = _drafter_config("--src", args.src)
+        src = drafter_config("--src", args.src)
         if args.draft_vocab > src.vocab_size:
             raise UsageError(f"argument --draft-vocab: {args.src} has a vocabulary of {src.vocab_size} "
                              f"tokens, got K = {args.draft_vocab}")
         if src.is_dflash2 and args.draft_vocab < src.selector_top_k:
             raise UsageError(f"argument --draft-vocab: {args.src} is a DFlash2 drafter whose selector picks "
                              f"{src.selector_top_k} candidates among the draft vocabulary, got K = {args.draft_vocab}")
-        all_records = _data_records("--data", args.data)
+        all_records = data_records("--data", args.data)
         records, _ = split_holdout(all_records, args.holdout)
         if not records:  # counting nothing would pick token ids 0..K-1
             raise UsageError(f"argument --holdout: holding out {args.holdout} of the {len(all_records)} records "

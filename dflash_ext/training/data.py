@@ -21,14 +21,14 @@ import os
 import sys
 import time
 import warnings
-from typing import Dict, List, Sequence
+from typing import Dict, List, NamedTuple, Sequence
 
 import torch
 
-from ..checkpoint import write_file_atomically
-from ..target import cache_kwarg, returned_cache
+from ..decode.runner import cache_kwarg, returned_cache
+from ..model.checkpoint import write_file_atomically
 
-__all__ = ["generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_pass", "target_features",
+__all__ = ["Generated", "generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_pass", "target_features",
            "compute_features", "load_records", "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]
 
 META_NAME = "meta.json"
@@ -157,25 +157,34 @@ def greedy_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return out
 
 
+class Generated(NamedTuple):
+    """What :func:`generate_responses` did: the records in the folder now, and the ids of the
+    prompts it left out because their tokens are over `max_prompt_tokens`."""
+    records: int
+    too_long: List[int]
+
+
 @torch.no_grad()
 def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, max_new_tokens: int = 192,
                        max_prompt_tokens: int = 256, batch_size: int = 16, shard_size: int = 256,
-                       id_base: int = 0) -> int:
+                       id_base: int = 0) -> Generated:
     """Greedy responses of the target to `prompts` (chat template applied), written to
-    `out_dir` in shards; prompt i becomes record ``id_base + i``. Returns the number of
-    records in the folder."""
+    `out_dir` in shards; prompt i becomes record ``id_base + i``; a prompt of more than
+    `max_prompt_tokens` tokens is left out and named in the result."""
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
     _cut_torn_lines(out_dir)  # a record cut short by a kill is generated again
     done = {r["id"] for r in _records_in(out_dir)}
-    todo = []
+    todo, too_long = [], []
     for i, p in enumerate(prompts, start=id_base):
         if i in done:
             continue
         ids = chat_prompt_ids(tokenizer, p)
         if len(ids) <= max_prompt_tokens:
             todo.append((i, ids))
+        else:
+            too_long.append(i)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     shard = len(glob.glob(os.path.join(out_dir, "responses-*.jsonl")))
     todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch: less padding
@@ -202,7 +211,7 @@ def generate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str, 
     if f:
         f.close()
     bar.close()
-    return len(_records_in(out_dir))
+    return Generated(len(_records_in(out_dir)), too_long)
 
 
 @torch.no_grad()

@@ -1,12 +1,12 @@
 """The training loss of one sequence (:func:`sequence_loss`: weighted cross-entropy of its
 blocks, DFlash2's selector term), its parts (the frozen target's embedding and LM head, the
 label weights, the loss vocabulary) and the acceptance it implies (:func:`tau_of`)."""
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..proposer import block_embedding
+from ..draft.head import block_embedding
 from .recipe import IGNORE, block_labels, loss_weights
 
 
@@ -24,6 +24,43 @@ class FrozenTargetParts(torch.nn.Module):
 def output_rows(frozen: FrozenTargetParts, vocab: Optional["LossVocab"]) -> torch.Tensor:
     """The LM head rows the loss's softmax runs over: `vocab`'s, or the whole head."""
     return frozen.lm_head.weight if vocab is None else vocab.lm_head_rows
+
+
+class BlockLogits(NamedTuple):
+    """The drafter's pass over all blocks of one sequence (:func:`block_logits`)."""
+    hidden: torch.Tensor     # [nb, B-1, H] final-normed hidden states of slots 1..B-1
+    logits: torch.Tensor     # [nb, B-1, V] over the loss rows (`vocab`'s, or the whole head)
+    block_ids: torch.Tensor  # [nb, B] the blocks' inputs: [anchor token, MASK x (B-1)]
+    labels: torch.Tensor     # [nb, B-1] token ids (IGNORE past the end)
+
+
+def block_logits(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
+                 anchors: torch.Tensor, block_size: int, vocab: Optional["LossVocab"] = None) -> BlockLogits:
+    """The drafter's logits for every slot of the blocks of one sequence (the training forward,
+    :class:`~dflash_ext.drafter.DFlashDrafter`'s ``forward``, then the frozen LM head)."""
+    core = getattr(drafter, "module", drafter)  # unwrap DDP
+    block_ids = torch.full((anchors.numel(), block_size), core.config.mask_token_id, dtype=torch.long,
+                           device=input_ids.device)
+    block_ids[:, 0] = input_ids[anchors]
+    with torch.no_grad():
+        embeds = frozen.embed(block_ids).to(features.dtype)
+    hidden = drafter(features, embeds, anchors)[:, 1:]
+    labels = block_labels(input_ids, anchors, block_size)
+    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the weight
+    # expanded per block (measured: over a quarter of a CPU training step, bench/results/history/notebook-2026.md §5)
+    logits = F.linear(hidden.flatten(0, 1), output_rows(frozen, vocab))
+    return BlockLogits(hidden, logits.view(*labels.shape, -1), block_ids, labels)
+
+
+@torch.no_grad()
+def drafted_tokens(drafter, out: BlockLogits, vocab: Optional["LossVocab"] = None) -> torch.Tensor:
+    """[nb, B-1] the tokens inference drafts from `out`: the argmax over the draft vocabulary,
+    or a DFlash2 drafter's selector path."""
+    core = getattr(drafter, "module", drafter)
+    if core.config.is_dflash2:
+        return core.candidate_selector(out.hidden, out.logits, out.block_ids[:, 0], None if vocab is None else vocab.ids)
+    best = out.logits.argmax(-1)
+    return best if vocab is None else vocab.ids[best]
 
 
 def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
@@ -48,34 +85,13 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
     is among the top-K candidates, a K-way cross-entropy of the candidates' scores after the
     label of the slot before (teacher-forced; the anchor token at slot 1), with the same
     weights, over the same denominator. Its drafts are the selector's greedy path."""
-    B = block_size
     core = getattr(drafter, "module", drafter)  # unwrap DDP
-    config = core.config
-    block_ids = torch.full((anchors.numel(), B), config.mask_token_id, dtype=torch.long,
-                           device=input_ids.device)
-    block_ids[:, 0] = input_ids[anchors]
-    with torch.no_grad():
-        embeds = frozen.embed(block_ids).to(features.dtype)
-    hidden = drafter(features, embeds, anchors)[:, 1:]
-    labels = block_labels(input_ids, anchors, B)
-    # flattened first: on a strided 3-D input that needs grad, F.linear runs a bmm against the weight
-    # expanded per block (measured: over a quarter of a CPU training step, bench/results/history/notebook-2026.md §5)
-    logits = F.linear(hidden.flatten(0, 1), output_rows(frozen, vocab))
-    logits = logits.view(*labels.shape, -1)
-    selector = core.candidate_selector if config.is_dflash2 else None
+    out = block_logits(drafter, frozen, input_ids, features, anchors, block_size, vocab)
+    hidden, logits, block_ids, token_labels = out
+    selector = core.candidate_selector if core.config.is_dflash2 else None
     vocab_ids = None if vocab is None else vocab.ids
-    correct = None
-    if need_correct:  # the drafts inference would make: the argmax over the draft vocabulary, or the selector's path
-        with torch.no_grad():
-            if selector is not None:
-                drafts = selector(hidden, logits, block_ids[:, 0], vocab_ids)
-            else:
-                best = logits.argmax(-1)
-                drafts = best if vocab is None else vocab.ids[best]
-            correct = drafts == labels
-    token_labels = labels
-    if vocab is not None:
-        labels = vocab.remap(labels)
+    correct = drafted_tokens(drafter, out, vocab) == token_labels if need_correct else None
+    labels = token_labels if vocab is None else vocab.remap(token_labels)
     w = label_weights(labels, gamma)
     unary = logits.float() if selector is None else selector.unary(logits)
     ce = F.cross_entropy(unary.reshape(-1, unary.shape[-1]), labels.reshape(-1), reduction="none",
@@ -83,7 +99,7 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
     if distill:
         if teacher_logits is None:
             raise ValueError("distill > 0 needs teacher_logits (the target's logits of the sequence)")
-        soft = target_distribution(teacher_logits, anchors, B)
+        soft = target_distribution(teacher_logits, anchors, block_size)
         ce = (1 - distill) * ce + distill * F.cross_entropy(unary.reshape(-1, unary.shape[-1]),
                                                             soft.reshape(-1, soft.shape[-1]), reduction="none")
     loss = (ce * w.reshape(-1)).sum()
@@ -97,6 +113,19 @@ def sequence_loss(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, f
                                  reduction="none")
         loss = loss + selector_alpha * (ce_sel * (w * covered).reshape(-1)).sum()
     return loss, w.sum(), correct
+
+
+@torch.no_grad()
+def sampled_acceptance(out: BlockLogits, target_log_probs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """[nb, B-1] the probability that rejection sampling at temperature 1 accepts each slot's
+    draft: sum_x min(p(x), q(x)), q the drafter's softmax over its rows (the draft
+    vocabulary), p the target's next-token distribution at the slot's position, given as
+    ``target_log_probs [S, V]``: log-softmax over the WHOLE vocabulary, read at the same rows.
+    Teacher-forced (p follows the data's prefix, not the drafts'): a block-parallel drafter's
+    q does not depend on the drafts before it, p does."""
+    p = target_log_probs[(anchors[:, None] + torch.arange(out.labels.shape[1], device=anchors.device))
+                         .clamp(max=target_log_probs.shape[0] - 1)].float().exp()
+    return torch.minimum(p, out.logits.float().softmax(-1)).sum(-1) * (out.labels != IGNORE)
 
 
 def target_distribution(teacher_logits: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

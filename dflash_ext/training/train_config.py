@@ -116,7 +116,7 @@ def run_config(values: Dict[str, Any]) -> Tuple[TrainConfig, bool]:
 def run_layer_ids(cfg: TrainConfig, num_target_layers: int) -> List[int]:
     """The target layers a run reads: --layer-ids, else the data's meta.json (the layers its
     cached features are of), else the default rule for the target's `num_target_layers`."""
-    from ..config import default_target_layer_ids
+    from ..model.config import default_target_layer_ids
 
     if cfg.layer_ids:
         return list(cfg.layer_ids)

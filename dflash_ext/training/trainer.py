@@ -28,33 +28,35 @@ import math
 import os
 import time
 from dataclasses import asdict
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import target_text_config
-from ..drafter import DFlashDrafter
-from ..hardware import fastest_dtype
+from ..model.config import target_text_config
+from ..model.drafter import DFlashDrafter
+from ..ops.hardware import fastest_dtype
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_pass
-from .loss import (FrozenTargetParts, LossVocab, label_weights, most_frequent_tokens, output_rows, sequence_loss,
-                   tau_of)
+from .loss import (FrozenTargetParts, LossVocab, block_logits, drafted_tokens, label_weights, most_frequent_tokens,
+                   output_rows, sampled_acceptance, sequence_loss, tau_of)
 from .recipe import IGNORE, block_labels, default_gamma, sample_anchors
-from .train_config import (EVAL_LOG, FRESH_LAYERS, MAY_CHANGE_ON_RESUME, PATH_FIELDS, STATE_NAME,  # noqa: F401
-                           TrainConfig, _comparable, _flag, _refuse_foreign_out, _saved_run, run_config,
-                           run_layer_ids)
+from .train_config import EVAL_LOG, FRESH_LAYERS, STATE_NAME, TrainConfig, run_config, run_layer_ids
 
-__all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "sequence_loss", "LossVocab", "tau_of",
+__all__ = ["TrainConfig", "train", "run_config", "evaluate_drafter", "HeldOut", "sequence_loss", "LossVocab", "tau_of",
            "init_layers_from_target", "most_frequent_tokens"]
 
 
 def init_layers_from_target(drafter: DFlashDrafter, target) -> None:
     """Start the drafter's N layers from the target's last N decoder layers (same widths;
     the Qwen3 q/k norms start as identity) and its final norm from the target's, so the
-    drafter starts as a language model whose output the frozen LM head already reads."""
+    drafter starts as a language model whose output the frozen LM head already reads; its
+    feature projection `fc` starts as the identity on the deepest target layer it reads
+    (the context the copied layers see is that layer's hidden states, normed)."""
     decoder = target.get_decoder()  # composite models keep the text decoder a level deeper
     src = decoder.layers[-len(drafter.layers):]
+    H, deepest = drafter.config.hidden_size, max(range(len(drafter.config.target_layer_ids)),
+                                                 key=lambda i: drafter.config.target_layer_ids[i])
     with torch.no_grad():
         for mine, theirs in zip(drafter.layers, src):
             own = mine.state_dict()
@@ -62,6 +64,8 @@ def init_layers_from_target(drafter: DFlashDrafter, target) -> None:
                 if name in own and own[name].shape == t.shape:
                     own[name].copy_(t)
         drafter.norm.weight.copy_(decoder.norm.weight)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.eye(H)
 
 
 def _dist_info():
@@ -105,26 +109,47 @@ def _anchors(cfg: TrainConfig, rec, seq_len: int, epoch: int) -> torch.Tensor:
     return sample_anchors(rec["response_start"], seq_len, cfg.block_size, cfg.anchors, g)
 
 
+class HeldOut(NamedTuple):
+    """A drafter's acceptance on held-out records (:func:`heldout_tau`)."""
+    tau: float                 # 1 + mean accepted prefix of greedy drafts against the target's greedy tokens
+    accept: List[float]        # per slot: the share of blocks whose first j drafts are all accepted
+    tau_t1: Optional[float]    # the same, expected, under rejection sampling at temperature 1 (None: not measured)
+    accept_t1: Optional[List[float]]
+
+
 @torch.no_grad()
 def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, gamma: float, autocast: bool,
-                vocab=None):
-    """tau on held-out records with fixed anchors (every eval_stride-th response position):
-    (tau, per-slot acceptance rate of the accepted prefix)."""
+                vocab=None) -> HeldOut:
+    """Acceptance on held-out records with fixed anchors (every eval_stride-th response
+    position): greedy (tau, per-slot accepted-prefix rate) and, for a DFlash (v1) drafter with
+    live features, the expectation of the same under rejection sampling at temperature 1
+    (each slot accepted with probability sum_x min(p, q), teacher-forced:
+    :func:`~dflash_ext.training.loss.sampled_acceptance`)."""
     was_training = drafter.training
     drafter.eval()
-    rows = []
+    sampled = features.store is None and not drafter.config.is_dflash2
+    rows, rows_t1 = [], []
     for rec in records:
         ids = torch.tensor(rec["input_ids"][:cfg.max_len], device=device)
         anchors = torch.arange(rec["response_start"], ids.numel() - 1, cfg.eval_stride, device=device)
         if anchors.numel() == 0:
             continue
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-            _, _, correct = sequence_loss(drafter, frozen, ids, features(rec, ids), anchors, cfg.block_size, gamma,
-                                          vocab, selector_alpha=0.0)
-        rows.append(correct.cpu())
+            feats, final = features.with_final(rec, ids, final=sampled)
+            out = block_logits(drafter, frozen, ids, feats, anchors, cfg.block_size, vocab)
+            rows.append((drafted_tokens(drafter, out, vocab) == out.labels).cpu())
+            if sampled:
+                log_p = F.linear(final, frozen.lm_head.weight).float().log_softmax(-1)
+                if vocab is not None:
+                    log_p = log_p[:, vocab.ids]
+                rows_t1.append(sampled_acceptance(out, log_p, anchors).cpu())
     drafter.train(was_training)
     correct = torch.cat(rows)
-    return tau_of(correct), torch.cumprod(correct.float(), -1).mean(0).tolist()
+    greedy = (tau_of(correct), torch.cumprod(correct.float(), -1).mean(0).tolist())
+    if not sampled:
+        return HeldOut(*greedy, None, None)
+    alpha = torch.cat(rows_t1)
+    return HeldOut(*greedy, tau_of(alpha), torch.cumprod(alpha, -1).mean(0).tolist())
 
 
 def trainable(record, max_len: int) -> bool:
@@ -159,8 +184,8 @@ def _split_records(cfg: TrainConfig, features: "_Features"):
 
 
 def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="cpu"):
-    """The held-out tau of any drafter on the records a training run with `cfg` holds out
-    (same anchors, same features): (tau, accepted-prefix profile)."""
+    """The held-out acceptance of any drafter on the records a training run with `cfg` holds
+    out (same anchors, same features): :class:`HeldOut`."""
     use_autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and fastest_dtype(device) == torch.bfloat16)
     if use_autocast:
         target = copy.deepcopy(target).to(torch.bfloat16)
@@ -292,10 +317,12 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         if rank != 0 or not heldout:
             return
         t = time.time()
-        tau, accept = heldout_tau(drafter, frozen, heldout, features, cfg, device, gamma, use_autocast, vocab)
-        drafter.acceptance_profile = accept  # saved beside the checkpoint: block_size="auto" reads it
-        eval_lines.append(json.dumps({"step": step, "slot_tokens": seen_slots, "tau": tau, "accept": accept}) + "\n")
-        log(f"[eval] step {step} slot-tokens {seen_slots} held-out tau {tau:.3f} ({time.time() - t:.0f}s)")
+        held = heldout_tau(drafter, frozen, heldout, features, cfg, device, gamma, use_autocast, vocab)
+        drafter.acceptance_profile = held.accept  # saved beside the checkpoint: block_size="auto" reads it
+        eval_lines.append(json.dumps({"step": step, "slot_tokens": seen_slots, **held._asdict()}) + "\n")
+        log(f"[eval] step {step} slot-tokens {seen_slots} held-out tau {held.tau:.3f}"
+            + (f", at T=1 by rejection sampling {held.tau_t1:.3f}" if held.tau_t1 is not None else "")
+            + f" ({time.time() - t:.0f}s)")
 
     t0, window_slots, window_loss, window_steps = time.time(), 0, 0.0, 0
     while step < total:

@@ -5,10 +5,10 @@ skips without a GPU; the CPU cases check what the proposer does there (nothing n
 import pytest
 import torch
 
-from dflash_ext.proposer import DFlashProposer
-from dflash_ext.drafter import DFlashDrafter
+from dflash_ext import DFlashDrafter, DFlashProposer
+from dflash_ext.draft.runtime import DraftRuntime
 
-from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from dflash_ext.testing.targets import tiny_target, tiny_target_config
 from python_tests.helpers import HAS_CUDA
 
 CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
@@ -34,7 +34,7 @@ def _hidden_states(target, n, seed=0):
 def test_cpu_proposer_neither_captures_nor_skips_validation():
     target, drafter = _pair("cpu")
     prop = DFlashProposer(drafter, target, capacity=64)
-    assert not prop.cuda_graph and prop.validate
+    assert not prop.runtime.cuda_graph and prop.runtime.validate
     with pytest.raises(ValueError, match="cuda_graph=True needs"):
         DFlashProposer(drafter, target, capacity=64, cuda_graph=True)
 
@@ -43,8 +43,8 @@ def test_the_draft_vocab_head_is_gathered_once_per_drafter():
     target, drafter = _pair("cpu", draft_vocab=list(range(0, 128, 3)))
     a = DFlashProposer(drafter, target, capacity=64)
     b = DFlashProposer(drafter, target, capacity=64)
-    assert a.vocab_head is b.vocab_head
-    torch.testing.assert_close(a.vocab_head, target.get_output_embeddings().weight[::3])
+    assert a.runtime.vocab_weight is b.runtime.vocab_weight
+    torch.testing.assert_close(a.runtime.vocab_weight, target.get_output_embeddings().weight[::3])
 
 
 def test_proposer_past_its_positions_is_a_clear_error():
@@ -95,7 +95,7 @@ def test_cuda_graph_replays_equal_the_eager_step_as_the_context_grows(dtype, dra
         for p in (graph, eager):
             p.accept(hs, slice(pos, pos + n), positions[pos:pos + n])
         pos += n
-    assert graph.cuda_graph and [n for _, n in graph._graphs] == [7]  # one step, keeping 7 tokens
+    assert graph.runtime.cuda_graph and [n for _, n in graph.runtime._graphs] == [7]  # one step, keeping 7 tokens
 
 
 @CUDA_ONLY
@@ -104,14 +104,15 @@ def test_cuda_unvalidated_step_planned_for_the_capacity_matches_the_validated_st
     """validate=False plans the attention for the whole capacity (many splits, most of them
     empty); validate=True plans it from the lens read on the host: same hidden states."""
     target, drafter = _pair("cuda", dtype)
-    cache = drafter.new_cache(1, 4096)
+    runtime = DraftRuntime(drafter, 4096)
     hs = _hidden_states(target, 450, seed=5)
     feats = [hs[l + 1][0].to(dtype) for l in drafter.config.target_layer_ids]
-    drafter.add_context(cache, 0, feats, torch.arange(450, device="cuda"))
+    runtime.add_context(0, feats, torch.arange(450, device="cuda"))
     embeds = torch.randn(1, 8, drafter.config.hidden_size, device="cuda").to(dtype)
     positions = torch.arange(450, 458, device="cuda")[None]
     with torch.no_grad():
-        checked = drafter.draft_hidden(cache, embeds, positions, validate=True).float()
-        unchecked = drafter.draft_hidden(cache, embeds, positions, validate=False).float()
+        checked = runtime.draft_hidden(embeds, positions).float()
+        runtime.validate = False
+        unchecked = runtime.draft_hidden(embeds, positions).float()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(unchecked, checked, rtol=tol, atol=tol)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import dflash_ext
-from dflash_ext.hardware import skinny_linear_streams
-from dflash_ext.target import streamed_linears
-from dflash_ext.testing import make_attention_inputs, make_inject_inputs, make_linear_inputs, make_project_inputs
+from dflash_ext import streamed_linears
+from dflash_ext.ops.linear import skinny_linear_streams
+from dflash_ext.testing.inputs import make_attention_inputs, make_inject_inputs, make_linear_inputs, make_project_inputs
 
 INPUTS = {
     "project_features": lambda: list(make_project_inputs(5, 32, 3, 24, seed=1)),

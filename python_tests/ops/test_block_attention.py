@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import dflash_ext
 from dflash_ext import reference
-from dflash_ext.testing import make_attention_inputs
+from dflash_ext.testing.inputs import make_attention_inputs
 
 from python_tests.helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_attention
 
@@ -473,7 +473,7 @@ def test_symmetric_is_windowed_bidirectional_attention(lens, capacity, Bq, Hq, H
     """The op with symmetric=True, at the draft cache's offsets, is what draft_hidden ran in
     plain torch for a symmetric layer (drafter.windowed_bidirectional_attention); with
     validate=False planned for the cache's capacity, as a CUDA graph runs it."""
-    from dflash_ext.drafter import windowed_bidirectional_attention
+    from dflash_ext.model.masks import windowed_bidirectional_attention
     q, kb, vb, kc, vc, offsets, cache_lens = draft_cache_inputs(lens, capacity, Bq, Hq, Hkv, D, dtype, device,
                                                                seed=sum(lens) + window)
     args, scale = (q, kb, vb, kc, vc, offsets, cache_lens, D ** -0.5), D ** -0.5

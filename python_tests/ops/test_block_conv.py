@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import dflash_ext
 from dflash_ext import reference
-from dflash_ext.testing import make_gen, randn
+from dflash_ext.testing.inputs import make_gen, randn
 
 from python_tests.helpers import DEVICES, DTYPES, assert_close, check_op
 
@@ -236,7 +236,8 @@ def test_asked_for_a_gradient_raises(grad_arg):
 @pytest.mark.parametrize("M,B,H,T,G", [(2, 4, 48, 2, 3), (1, 3, 17, 4, 17), (3, 16, 64, 3, 1)])
 def test_bench_eager_baseline_matches_reference(M, B, H, T, G):
     """bench_ops times block_conv against eager_block_conv (pad + unfold): the same op."""
-    from bench.bench_ops import PRESETS, eager_block_conv, min_bytes
+    from bench.baselines import eager_block_conv
+    from bench.bench_ops import PRESETS, min_bytes
     args = make_conv_inputs(M, B, H, T, G, seed=19)
     assert_close(eager_block_conv(*args), reference.block_conv(*args))
     assert min_bytes("block_conv", PRESETS["smollm2"], 2, B, batch=M, conv_shape=(M, B, H, T, G)) == (

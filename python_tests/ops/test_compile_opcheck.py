@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext.testing import make_attention_inputs, make_inject_inputs, make_project_inputs
+from dflash_ext.testing.inputs import make_attention_inputs, make_inject_inputs, make_project_inputs
 
 ops = torch.ops.dflash_ext
 

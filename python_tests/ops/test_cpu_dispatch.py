@@ -103,7 +103,7 @@ def test_env_override_bad_value_fails_at_import(value, message):
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from dflash_ext.hardware import keep_freed_memory
+from dflash_ext.ops.hardware import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 for _ in range(8):  # the first uses fault pages in either way, until the heap has settled
     torch.empty(64 << 20, dtype=torch.uint8).fill_(1)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash_ext
-from dflash_ext.testing import make_inject_inputs
+from dflash_ext.testing.inputs import make_inject_inputs
 
 from python_tests.helpers import DEVICES, DTYPES, HAS_CUDA, check_inject
 

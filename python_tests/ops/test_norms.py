@@ -9,7 +9,7 @@ import torch
 
 import dflash_ext
 from dflash_ext import reference
-from dflash_ext.testing import make_gen, norm_weight, randn
+from dflash_ext.testing.inputs import make_gen, norm_weight, randn
 
 from python_tests.helpers import DEVICES, DTYPES, assert_close
 
@@ -146,7 +146,7 @@ def test_qk_norm_rope_views_at_a_storage_offset(shifted, dtype, device):
 def test_qk_norm_rope_is_the_decoder_layers_math():
     """The op equals what DecoderLayer.forward does to q and k: q_norm / k_norm modules, then
     reference.apply_rope with cos/sin broadcast over the heads (fp32)."""
-    from dflash_ext.drafter_layers import RMSNorm
+    from dflash_ext.model.layers import RMSNorm
 
     M, Hq, Hkv, D = 5, 4, 2, 16
     qkv, qw, kw, cos, sin = make_qkv_inputs(M, Hq, Hkv, D, seed=5)

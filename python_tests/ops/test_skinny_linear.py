@@ -5,10 +5,9 @@ import torch
 from torch import nn
 
 import dflash_ext
-from dflash_ext import reference
-from dflash_ext.target import linear_rows, streamed_linears
-from dflash_ext.hardware import skinny_linear_streams
-from dflash_ext.testing import make_linear_inputs
+from dflash_ext import reference, streamed_linears
+from dflash_ext.ops.linear import linear_rows, skinny_linear_streams
+from dflash_ext.testing.inputs import make_linear_inputs
 
 from python_tests.helpers import DEVICES, DTYPES, check_op
 
@@ -187,7 +186,7 @@ def test_streamed_linears_leave_other_dtypes_to_f_linear():
 
 
 def test_stream_rule_matches_the_paths():
-    """hardware.skinny_linear_streams and cpu_paths read the one rule of csrc/cpu/isa.h."""
+    """ops.linear.skinny_linear_streams and hardware.cpu_paths read the one rule of csrc/cpu/isa.h."""
     from dflash_ext import hardware
     w = torch.randn(16, 32)
     for rows in (1, 8, 9):

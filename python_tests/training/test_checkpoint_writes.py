@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from dflash_ext import checkpoint
-from dflash_ext.checkpoint import read_checkpoint, write_checkpoint
-from dflash_ext.drafter import DFlashDrafter
-from python_tests.decoding_helpers import tiny_target_config
+from dflash_ext import DFlashDrafter
+from dflash_ext.model import checkpoint
+from dflash_ext.model.checkpoint import read_checkpoint, write_checkpoint
+from dflash_ext.testing.targets import tiny_target_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,7 +137,7 @@ def test_a_checkpoint_folder_with_a_model_card_is_replaced(tmp_path):
 # "reaped" once it is gone (a fresh interpreter per kill would spend seconds importing torch).
 WRITER = """
 import os, sys
-from dflash_ext.checkpoint import read_checkpoint, write_checkpoint
+from dflash_ext.model.checkpoint import read_checkpoint, write_checkpoint
 sources = [read_checkpoint(p) for p in sys.argv[2:]]
 for _ in sys.stdin:
     pid = os.fork()
@@ -200,6 +200,24 @@ def test_a_saved_folder_and_its_files_have_the_modes_the_umask_gives(tmp_path):
     finally:
         os.umask(mask)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
-    # (safetensors creates its file 0600 itself, as it did before)
-    assert {(tmp_path / "ckpt" / n).stat().st_mode & 0o777 for n in files_of(tmp_path / "ckpt")
-            if n.endswith(".json")} == {0o644}
+    # every file, the weights too (safetensors creates its own file 0600)
+    assert {n: (tmp_path / "ckpt" / n).stat().st_mode & 0o777 for n in files_of(tmp_path / "ckpt")} == \
+        {n: 0o644 for n in files_of(tmp_path / "ckpt")}
+    assert "model.safetensors" in files_of(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_feature_shards_and_meta_follow_the_umask(tmp_path, umask):
+    from safetensors.torch import save_file
+
+    from dflash_ext.model.checkpoint import write_file_atomically
+
+    mask = os.umask(umask)
+    try:
+        write_file_atomically(str(tmp_path / "features-00000.safetensors"),
+                              lambda path: save_file({"0": torch.ones(2)}, path))
+        write_file_atomically(str(tmp_path / "meta.json"), lambda path: open(path, "w").close())
+    finally:
+        os.umask(mask)
+    for n in ("features-00000.safetensors", "meta.json"):
+        assert (tmp_path / n).stat().st_mode & 0o777 == 0o666 & ~umask, n

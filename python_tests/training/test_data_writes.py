@@ -5,8 +5,8 @@ import os
 
 import pytest
 
+from dflash_ext.testing.targets import tiny_target
 from dflash_ext.training.data import compute_features, generate_responses, load_records, write_meta
-from python_tests.decoding_helpers import tiny_target
 from python_tests.training.test_training import _ChatTokenizer
 
 
@@ -29,7 +29,7 @@ def test_a_responses_line_torn_by_a_kill_is_dropped_and_generated_again(target, 
     with pytest.warns(UserWarning, match="its last line is cut short"):
         n = generate_responses(target, _ChatTokenizer(), prompts, str(tmp_path), max_new_tokens=5,
                                max_prompt_tokens=20, batch_size=3)
-    assert n == 3 and shard.read_bytes() == b"".join(lines[:-1])  # the torn tail is cut off
+    assert n.records == 3 and shard.read_bytes() == b"".join(lines[:-1])  # the torn tail is cut off
     again = {r["id"]: r for r in load_records(str(tmp_path))}
     assert again[torn_id] == json.loads(lines[-1])  # generated again, the same greedy response
     shard.write_bytes(lines[0][:5] + b"\n" + b"".join(lines[1:]))  # not a last line: a broken file

@@ -6,11 +6,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dflash_ext.decoding import spec_generate, target_generate
-from dflash_ext.drafter import DFlashDrafter
+from dflash_ext import DFlashDrafter, spec_generate, target_generate
+from dflash_ext.testing.targets import tiny_target
+from dflash_ext.training.loss import FrozenTargetParts, label_weights, sequence_loss
 from dflash_ext.training.recipe import IGNORE, block_labels
-from dflash_ext.training.trainer import FrozenTargetParts, TrainConfig, label_weights, sequence_loss, train
-from python_tests.decoding_helpers import tiny_target
+from dflash_ext.training.train_config import TrainConfig
+from dflash_ext.training.trainer import train
 from python_tests.training.test_training import _tiny_corpus
 
 

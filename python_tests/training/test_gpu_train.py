@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from bench.training import gpu_train
-from dflash_ext.drafter import DFlashDrafter
+from dflash_ext import DFlashDrafter
+from dflash_ext.testing.targets import tiny_target
 from dflash_ext.training.data import generate_responses, load_records, split_holdout
-from dflash_ext.training.trainer import TrainConfig, train
-from python_tests.decoding_helpers import tiny_target
+from dflash_ext.training.train_config import TrainConfig
+from dflash_ext.training.trainer import train
 from tools.gpu import parts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,6 +75,60 @@ def test_a_new_split_replaces_every_part_of_the_old_one(tmp_path):
     assert sorted(os.listdir(folder)) == ["f.part-000", "f.part-001", "f.sha256"]
     assert parts.main(["join", folder, "f", str(tmp_path / "g")]) == 0
     assert (tmp_path / "g").read_bytes() == data
+
+
+@pytest.mark.parametrize("name", ["with space.tar", " lead and trail ", "back\\slash", "new\nline", "star *x"])
+def test_any_file_name_round_trips_through_its_manifest(tmp_path, name):
+    data = _random_file(tmp_path / "src", 2500)
+    folder = str(tmp_path / "p")
+    names = parts.split(str(tmp_path / "src"), folder, 1000, name=name)
+    assert parts.check(folder, name) == (names, [], [])
+    parts.join(folder, name, str(tmp_path / "out"))
+    assert (tmp_path / "out").read_bytes() == data
+    if shutil.which("sha256sum"):  # the escaped lines are sha256sum's own
+        ok = subprocess.run(["sha256sum", "-c", "--ignore-missing", parts.manifest_name(name)], cwd=folder,
+                            capture_output=True)
+        assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("line", ["onlyoneword", "a" * 64, "g" * 64 + "  f", "a" * 64 + " f", ""])
+def test_a_malformed_manifest_is_one_clear_error(tmp_path, line, capsys):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "f.sha256").write_text(line + "\n" + "b" * 64 + "  f\n")
+    with pytest.raises(ValueError, match="f.sha256"):
+        parts.check(str(folder), "f")
+    assert parts.main(["check", str(folder), "f"]) == 1
+    assert parts.main(["join", str(folder), "f", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("parts ") and "Traceback" not in err
+
+
+def test_a_manifest_naming_foreign_files_is_refused(tmp_path):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "f.sha256").write_text("a" * 64 + "  ../../etc/passwd\n" + "b" * 64 + "  f\n")
+    with pytest.raises(ValueError, match="part-000"):
+        parts.join(str(folder), "f", str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("mib", ["0", "-1", "nan", "inf", "1e-9", "x"])
+def test_split_refuses_a_part_size_below_one_byte_by_its_flag(tmp_path, mib, capsys):
+    _random_file(tmp_path / "f", 10)
+    with pytest.raises(SystemExit) as e:
+        parts.main(["split", str(tmp_path / "f"), str(tmp_path / "p"), "--part-mib", mib])
+    assert e.value.code == 2 and "--part-mib" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="part_bytes"):
+        parts.split(str(tmp_path / "f"), str(tmp_path / "p"), 0)
+
+
+def test_split_of_a_missing_file_or_a_directory_is_one_line(tmp_path, capsys):
+    assert parts.main(["split", str(tmp_path / "nope"), str(tmp_path / "p"), "--part-mib", "1"]) == 1
+    assert "no such file" in capsys.readouterr().err
+    assert parts.main(["split", str(tmp_path), str(tmp_path / "p"), "--part-mib", "1"]) == 1
+    assert "is not a file" in capsys.readouterr().err
+    assert parts.main(["check", str(tmp_path), "absent"]) == 1  # no manifest: one line, no traceback
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_the_shell_script_sizes_parts_to_the_tree_and_plans_the_calls(tmp_path):

@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
-from dflash_ext.drafter import DFlashDrafter
-from dflash_ext.training.trainer import TrainConfig, run_config, train
-from python_tests.decoding_helpers import tiny_target
+from dflash_ext import DFlashDrafter
+from dflash_ext.testing.targets import tiny_target
+from dflash_ext.training.train_config import TrainConfig, run_config
+from dflash_ext.training.trainer import train
 from python_tests.training.test_training import _tiny_corpus
 
 
@@ -91,10 +92,10 @@ def test_a_resumed_run_keeps_its_settings_and_refuses_changed_ones(target, data,
 def test_the_cli_resumes_with_the_saved_settings_and_names_a_changed_flag(target, data, tmp_path, monkeypatch,
                                                                          capsys):
     """A flag not given takes the saved run's value, not TrainConfig's default (block_size 16)."""
-    from dflash_ext.__main__ import main
+    from dflash_ext.cli.main import main
 
-    monkeypatch.setattr("dflash_ext.models.load_target", lambda *a, **kw: (target, None))
-    monkeypatch.setattr("dflash_ext.hardware.keep_freed_memory", lambda: None)  # the test process's allocator
+    monkeypatch.setattr("dflash_ext.model.pretrained.load_target", lambda *a, **kw: (target, None))
+    monkeypatch.setattr("dflash_ext.ops.hardware.keep_freed_memory", lambda: None)  # the test process's allocator
     threads = torch.get_num_threads()
     out = str(tmp_path / "run")
     flags = ["train", "--data", data, "--out", out, "--threads", "1"]

@@ -6,14 +6,15 @@ import os
 import pytest
 import torch
 
-from dflash_ext.decoding import spec_generate, target_generate
-from dflash_ext.drafter import DFlashDrafter, block_mask, context_mask
-from dflash_ext.testing_targets import tiny_family_target
+from dflash_ext import DFlashDrafter, spec_generate, target_generate
+from dflash_ext.draft.runtime import DraftRuntime
+from dflash_ext.model.masks import block_mask, context_mask
+from dflash_ext.testing.targets import tiny_family_target, tiny_target, tiny_target_config
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
+from dflash_ext.training.loss import FrozenTargetParts, sequence_loss, tau_of
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
-from dflash_ext.training.trainer import (FrozenTargetParts, TrainConfig, _Features, _split_records, sequence_loss,
-                                        tau_of, train)
-from python_tests.decoding_helpers import tiny_target, tiny_target_config
+from dflash_ext.training.train_config import TrainConfig
+from dflash_ext.training.trainer import _Features, _split_records, train
 
 
 def test_context_mask_matches_hand_built_mask():
@@ -98,10 +99,26 @@ def test_training_forward_equals_the_inference_draft_step(sliding_window):
     anchors, emb = torch.tensor([3, 7, 12, 16]), torch.randn(4, 4, c.hidden_size)
     hidden = d(feats, emb, anchors)
     for a, p in enumerate(anchors.tolist()):
-        cache = d.new_cache(1, 64)
-        d.add_context(cache, 0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
-        torch.testing.assert_close(d.draft_hidden(cache, emb[a:a + 1], torch.arange(p, p + 4)[None])[0],
+        runtime = DraftRuntime(d, 64)
+        runtime.add_context(0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
+        torch.testing.assert_close(runtime.draft_hidden(emb[a:a + 1], torch.arange(p, p + 4)[None])[0],
                                    hidden[a], rtol=1e-4, atol=1e-5)
+
+
+def test_target_init_copies_the_last_layers_and_reads_the_deepest_features():
+    from dflash_ext.training.trainer import init_layers_from_target
+
+    target = tiny_target()
+    d = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 4, 2])
+    init_layers_from_target(d, target)
+    layers = target.get_decoder().layers
+    for mine, theirs in zip(d.layers, layers[-2:]):
+        for name, t in theirs.state_dict().items():
+            torch.testing.assert_close(mine.state_dict()[name], t, rtol=0, atol=0)
+    torch.testing.assert_close(d.norm.weight, target.get_decoder().norm.weight, rtol=0, atol=0)
+    H = d.config.hidden_size
+    x = torch.randn(5, 3 * H)
+    torch.testing.assert_close(d.fc(x), x[:, H:2 * H])  # layer 4, the deepest of [1, 4, 2]
 
 
 def test_frozen_parts_get_no_gradient_and_are_not_saved(tmp_path):
@@ -162,6 +179,31 @@ def test_distillation_loss_is_the_cross_entropy_to_the_target_distribution():
     assert target_distribution(teacher, anchors, 4).shape == (3, 3, V)
     with pytest.raises(ValueError, match="teacher_logits"):
         sequence_loss(d, frozen, ids, feats, anchors, 4, 2.0, distill=0.5)
+
+
+def test_sampled_acceptance_is_the_overlap_of_the_two_distributions_per_slot():
+    """Rejection sampling accepts a draft x ~ q with probability sum_x min(p, q): computed
+    per slot from the target's log-probabilities at the position before the label."""
+    from dflash_ext.training.loss import LossVocab, block_logits, sampled_acceptance
+
+    torch.manual_seed(1)
+    target = tiny_target()
+    frozen = FrozenTargetParts(target)
+    d = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    S, V = 25, target.config.vocab_size
+    ids = torch.randint(0, V, (S,))
+    feats = torch.randn(S, len(d.config.target_layer_ids) * d.config.hidden_size)
+    anchors = torch.tensor([3, 10, 23])
+    vocab = LossVocab(torch.arange(0, V, 2), frozen.lm_head.weight)  # a draft vocabulary of half the tokens
+    out = block_logits(d, frozen, ids, feats, anchors, 4, vocab)
+    log_p = (torch.randn(S, V) * 2).log_softmax(-1)  # over the whole vocabulary
+    alpha = sampled_acceptance(out, log_p[:, vocab.ids], anchors)
+    q = out.logits.float().softmax(-1)
+    for a, pos in enumerate(anchors.tolist()):
+        for j in range(3):
+            want = torch.minimum(log_p[pos + j, vocab.ids].exp(), q[a, j]).sum() if pos + j + 1 < S else 0.0
+            torch.testing.assert_close(alpha[a, j], torch.as_tensor(want, dtype=torch.float32))
+    assert (alpha <= 1).all() and (alpha >= 0).all()
 
 
 def test_distilled_training_reads_the_targets_logits_over_the_loss_vocabulary(tmp_path):
@@ -281,6 +323,7 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert any("features live" in m and "bf16 autocast on" in m for m in logs)
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [2, 3] and all(1 <= e["tau"] <= 4 for e in evals)
+    assert all(1 <= e["tau_t1"] <= 4 and len(e["accept_t1"]) == 3 for e in evals)  # live features: measured
     assert evals[1]["slot_tokens"] > evals[0]["slot_tokens"] > 0
     from dflash_ext.training.trainer import evaluate_drafter
 
@@ -288,11 +331,11 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
     assert saved.acceptance_profile == pytest.approx(evals[-1]["accept"])  # acceptance.json beside the weights
     # The loss vocabulary is the checkpoint's draft vocabulary: the most frequent response tokens.
     from dflash_ext.training.data import load_records
-    from dflash_ext.training.trainer import most_frequent_tokens
+    from dflash_ext.training.loss import most_frequent_tokens
 
     expected, _ = most_frequent_tokens(load_records(data)[:-2], target.config.vocab_size, 40)
     assert torch.equal(saved.draft_vocab, expected)
-    tau, _ = evaluate_drafter(saved, target, cfg)  # the same held-out records and anchors as training's eval
+    tau = evaluate_drafter(saved, target, cfg).tau  # the same held-out records and anchors as training's eval
     assert tau == pytest.approx(evals[-1]["tau"], abs=0.02)
     cfg.max_steps = 4
     logs.clear()
@@ -329,7 +372,7 @@ def test_training_step_and_heldout_eval_on_a_hybrid_target(tmp_path):
     assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [8] and 1 <= evals[0]["tau"] <= 4
-    tau, accept = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
+    tau, accept, _, _ = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
     assert tau == pytest.approx(evals[0]["tau"], abs=0.02) and len(accept) == 3
 
 
@@ -345,9 +388,9 @@ def test_added_layers_leave_the_drafts_unchanged_until_trained(tmp_path):
     anchors, emb = torch.tensor([3, 9, 15]), torch.randn(3, 4, c.hidden_size)
 
     def draft(m, p=9):
-        cache = m.new_cache(1, 64)
-        m.add_context(cache, 0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
-        return m.draft_hidden(cache, emb[1:2], torch.arange(p, p + 4)[None])
+        runtime = DraftRuntime(m, 64)
+        runtime.add_context(0, list(feats[:p].split(c.hidden_size, -1)), torch.arange(p))
+        return runtime.draft_hidden(emb[1:2], torch.arange(p, p + 4)[None])
 
     before_train, before_draft = d(feats, emb, anchors), draft(d)
     d.add_layers(2)
@@ -439,11 +482,11 @@ def test_generated_records_take_ids_from_the_base_and_resume(tmp_path):
     prompts = ["abc", "defgh", "x" * 40, "ij"]
     n = generate_responses(target, _ChatTokenizer(), prompts[:2], str(tmp_path), max_new_tokens=5,
                            max_prompt_tokens=20, batch_size=2, id_base=500)
-    assert n == 2
+    assert n == (2, [])
     n = generate_responses(target, _ChatTokenizer(), prompts, str(tmp_path), max_new_tokens=5,
                            max_prompt_tokens=20, batch_size=2, id_base=500)  # resumes: only "ij" is new
     records = load_records(str(tmp_path))
-    assert n == 3 and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
+    assert n == (3, [502]) and [r["id"] for r in records] == [500, 501, 503]  # 502's prompt is over 20 tokens
     for r, p in zip(records, [prompts[0], prompts[1], prompts[3]]):
         prompt = _ChatTokenizer().apply_chat_template([{"content": p}], True, True)["input_ids"]
         assert r["input_ids"][:r["response_start"]] == prompt

@@ -6,7 +6,8 @@ import sys
 import torch
 
 import dflash_ext
-from dflash_ext import hardware, ops, reference, testing
+from dflash_ext import hardware, ops, reference
+from dflash_ext.testing import inputs
 
 
 def close(got, want, dtype):
@@ -17,19 +18,19 @@ def close(got, want, dtype):
 
 
 def checks(dtype):
-    feats, fc, norm, eps = testing.make_project_inputs(5, 64, 3, dtype=dtype, seed=1)
+    feats, fc, norm, eps = inputs.make_project_inputs(5, 64, 3, dtype=dtype, seed=1)
     yield "project_features", ops.project_features(feats, fc, norm, eps=eps), \
         reference.project_features(feats, fc, norm, eps)
-    x, w, b = testing.make_linear_inputs(4, 96, 64, bias=True, dtype=dtype, seed=2)
+    x, w, b = inputs.make_linear_inputs(4, 96, 64, bias=True, dtype=dtype, seed=2)
     yield "skinny_linear", ops.skinny_linear(x, w, b), reference.skinny_linear(x, w, b)
-    inp = testing.make_inject_inputs(6, 64, 2, 2, 16, dtype=dtype, seed=3)
+    inp = inputs.make_inject_inputs(6, 64, 2, 2, 16, dtype=dtype, seed=3)
     rk, rv = torch.zeros_like(inp.k_cache), torch.zeros_like(inp.v_cache)
     reference.inject_context_kv(*inp.args(rk, rv))
     ops.inject_context_kv(*inp.args())
     written = inp.slots[inp.slots >= 0]
     yield "inject_context_kv", torch.cat([inp.k_cache[:, written], inp.v_cache[:, written]]), \
         torch.cat([rk[:, written], rv[:, written]])
-    att = testing.make_attention_inputs([7, 40], 4, 4, 2, 16, dtype=dtype, seed=4)
+    att = inputs.make_attention_inputs([7, 40], 4, 4, 2, 16, dtype=dtype, seed=4)
     yield "block_attention", ops.block_attention(*att.args()), reference.block_attention(*att.args())
 
 

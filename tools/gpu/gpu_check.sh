@@ -36,7 +36,7 @@ step tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" -k cuda 
   python_tests/ops/test_project_features.py python_tests/ops/test_inject_context_kv.py \
   python_tests/ops/test_block_attention.py python_tests/ops/test_bad_inputs.py \
   python_tests/ops/test_compile_opcheck.py python_tests/cuda/test_cuda_build.py \
-  python_tests/decoding/test_draft_cache_growth.py python_tests/ops/test_block_conv.py \
+  python_tests/draft/test_draft_cache_growth.py python_tests/ops/test_block_conv.py \
   python_tests/ops/test_norms.py
 step memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" -m tools.gpu.cuda_sanitizer_cases
 step draft_latency 90 "$PY" -m bench.draft_latency --device cuda --kinds dflash dflash2 --presets qwen3-8b --dtype bfloat16 \

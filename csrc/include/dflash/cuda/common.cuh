@@ -15,8 +15,9 @@
 
 #include "dflash/cuda/params.h"
 
-// Each .cu file includes its op's header (<op>.cuh) once for one architecture and names that
-// architecture's namespace here, so the kernels of different files never share a symbol.
+// Each CUDA source (setup.py generates <family>_<arch>.cu) includes its op family's header
+// (<family>.cuh) once for one architecture and names that architecture's namespace here, so
+// the kernels of different files never share a symbol.
 #ifndef DFLASH_ARCH_NS
 #error "define DFLASH_ARCH_NS (sm80, sm90a, sm100) before including the dflash CUDA kernels"
 #endif

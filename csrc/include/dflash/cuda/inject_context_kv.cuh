@@ -14,6 +14,7 @@
 //   - SIMT (every dtype and shape): one block per (token, layer, k|v, head);
 //   - host side: kernel choice, split-K plan, launch.
 #pragma once
+#include "dflash/cuda/inject_context_kv_params.h"
 #include "dflash/cuda/plans.h"
 #include "dflash/cuda/weight_stream_gemm.cuh"
 #include "dflash/cuda/weight_stream_gemv.cuh"
@@ -284,5 +285,8 @@ void inject_context_kv(const InjectParams& p, cudaStream_t stream) {
   };
   dispatch_all_types(p.dtype, run);
 }
+
+// This architecture's launcher table (inject_context_kv_params.h), read by csrc/cuda/inject_context_kv.cpp.
+extern const InjectLaunchers inject_context_kv_launchers{&inject_context_kv_plan, &inject_context_kv};
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

@@ -12,7 +12,7 @@
 // Compiled and SASS-checked for sm_80 / sm_90a / sm_100; not yet run on a GPU.
 #pragma once
 #include "dflash/cuda/common.cuh"
-#include "dflash/cuda/norm_params.h"
+#include "dflash/cuda/norms_params.h"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
 
@@ -161,5 +161,8 @@ void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
   };
   dispatch_all_types(p.dtype, run);
 }
+
+// This architecture's launcher table (norms_params.h), read by csrc/cuda/norms.cpp.
+extern const NormsLaunchers norms_launchers{&rms_norm, &qk_norm_rope};
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

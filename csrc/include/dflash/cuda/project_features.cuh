@@ -2,10 +2,11 @@
 // at T <= kGemvMaxRows tokens (bf16/fp16, 16-byte aligned, H % 8 == 0): the weight-streaming
 // GEMV (weight_stream_gemv.cuh) walks the k feature tensors as K segments (never
 // concatenated), and the CTA that completes the last row block applies the RMSNorm over
-// H_out. Every other case runs cuBLAS + at::rms_norm in the dispatcher (csrc/cuda/ops_cuda.cpp;
+// H_out. Every other case runs cuBLAS + at::rms_norm in the host file (csrc/cuda/project_features.cpp;
 // the rule: project_features_path in plans.h).
 #pragma once
 #include "dflash/cuda/plans.h"
+#include "dflash/cuda/project_features_params.h"
 #include "dflash/cuda/weight_stream_gemv.cuh"
 
 namespace dflash::cuda::DFLASH_ARCH_NS {
@@ -105,5 +106,8 @@ void project_features(const ProjectFeaturesParams& p, cudaStream_t stream) {
   };
   dispatch_all_types(p.dtype, run);
 }
+
+// This architecture's launcher table (project_features_params.h), read by csrc/cuda/project_features.cpp.
+extern const ProjectFeaturesLaunchers project_features_launchers{&project_features_plan, &project_features};
 
 }  // namespace dflash::cuda::DFLASH_ARCH_NS

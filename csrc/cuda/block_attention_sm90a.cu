@@ -1,4 +1,0 @@
-// block_attention compiled for sm90a only (setup.py reads the arch from the file name).
-#define DFLASH_ARCH_NS sm90a
-#define DFLASH_USE_WGMMA 1
-#include "dflash/cuda/block_attention.cuh"

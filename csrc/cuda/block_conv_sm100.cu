@@ -1,3 +1,0 @@
-// block_conv compiled for sm100 only (setup.py reads the arch from the file name).
-#define DFLASH_ARCH_NS sm100
-#include "dflash/cuda/block_conv.cuh"

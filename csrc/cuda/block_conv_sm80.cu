@@ -1,3 +1,0 @@
-// block_conv compiled for sm80 only (setup.py reads the arch from the file name).
-#define DFLASH_ARCH_NS sm80
-#include "dflash/cuda/block_conv.cuh"

@@ -1,4 +1,0 @@
-// inject_context_kv compiled for sm80 only (setup.py reads the arch from the file name).
-#define DFLASH_ARCH_NS sm80
-#define DFLASH_USE_WGMMA 0
-#include "dflash/cuda/inject_context_kv.cuh"

@@ -1,0 +1,77 @@
+"""The paths of the 0.1 layout that the README showed, kept working for one release (to be
+removed in 0.3): the modules ``dflash_ext.drafter``, ``dflash_ext.decoding``,
+``dflash_ext.models`` and ``dflash_ext.proposer`` (registered without files: each name they
+held resolves to its new home) and ``DFlashDrafter.as_assistant``. Each use warns
+(DeprecationWarning) and names the import that replaces it. Nothing of the package uses them;
+the test suite turns their warning into an error (pyproject.toml's filterwarnings)."""
+import importlib
+import sys
+import types
+import warnings
+
+# old module -> {name it held: the module that holds it now}
+MOVED = {
+    "drafter": {
+        **dict.fromkeys(("DFlashDrafter",), "model.drafter"),
+        **dict.fromkeys(("DFlashConfig",), "model.config"),
+        **dict.fromkeys(("DraftCache", "CACHE_ROW_ALIGN", "effective_windows"), "draft.cache"),
+        **dict.fromkeys(("BlockConv", "CandidateSelector", "MLP", "Attention", "DecoderLayer", "RMSNorm"),
+                        "model.layers"),
+        **dict.fromkeys(("context_mask", "block_mask", "windowed_bidirectional_attention"), "model.masks"),
+    },
+    "decoding": {
+        **dict.fromkeys(("spec_generate", "target_generate", "GenerationResult", "prompt_ids", "check_sampling"),
+                        "decode.loop"),
+        **dict.fromkeys(("speculative_step", "DecodeState"), "decode.step"),
+        **dict.fromkeys(("sample_token",), "decode.verify"),
+        **dict.fromkeys(("choose_block_size", "BlockSizeChoice"), "decode.autotune"),
+    },
+    "models": dict.fromkeys(("DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_path",
+                             "default_drafter_path", "load_default_target", "load_target", "looks_like_local_path"),
+                            "model.pretrained"),
+    "proposer": {
+        **dict.fromkeys(("DFlashProposer",), "draft.proposer"),
+        **dict.fromkeys(("draft_tokens", "block_embedding"), "draft.head"),
+        **dict.fromkeys(("capture_cuda_graph",), "draft.graphs"),
+    },
+}
+REMOVED_IN = "0.3"
+
+
+def _new_import(package: str, public, module: str, name: str) -> str:
+    return f"from {package} import {name}" if name in public else f"from {package}.{module} import {name}"
+
+
+def _old_module(package: str, public, old: str) -> types.ModuleType:
+    moved = MOVED[old]
+    module = types.ModuleType(f"{package}.{old}", f"Deprecated (removed in {REMOVED_IN}): {', '.join(sorted(moved))} "
+                                                  "live elsewhere now; each warns and names its import.")
+
+    def __getattr__(name):
+        if name not in moved:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+        warnings.warn(f"{module.__name__} is deprecated and goes in {REMOVED_IN}: use "
+                      f"`{_new_import(package, public, moved[name], name)}`", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f"{package}.{moved[name]}"), name)
+
+    module.__getattr__ = __getattr__
+    module.__all__ = sorted(moved)
+    return module
+
+
+def _as_assistant(self, target=None, fused: bool = True, draft_window=None):
+    """Deprecated (removed in 0.3): ``dflash_ext.DFlashAssistant(drafter, target)``."""
+    warnings.warn(f"DFlashDrafter.as_assistant is deprecated and goes in {REMOVED_IN}: use "
+                  "`dflash_ext.DFlashAssistant(drafter, target)`", DeprecationWarning, stacklevel=2)
+    from .draft.assistant import DFlashAssistant
+
+    return DFlashAssistant(self, target, fused=fused, draft_window=draft_window)
+
+
+def install(package: str, public) -> None:
+    """Register the old modules under `package` (`public`: the names its root exports)."""
+    for old in MOVED:
+        sys.modules.setdefault(f"{package}.{old}", _old_module(package, public, old))
+    from .model.drafter import DFlashDrafter
+
+    DFlashDrafter.as_assistant = _as_assistant

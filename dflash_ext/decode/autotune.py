@@ -1,0 +1,133 @@
+"""Every run-time timing of the decoding side, in one place: the verify block size that
+maximises expected tokens per second on this machine (:func:`choose_block_size`, ``block_size
+="auto"``) and the target alone timed in each dtype and linear-layer path
+(:func:`time_target_alone`, :func:`fastest_target_alone`: the demo's ``--dtype auto`` and
+``--baseline``). All time with :func:`median_seconds`. (The LM-head padding is timed where
+it is decided, :func:`dflash_ext.ops.linear.lm_head_padding`: the draft step sits below this
+layer.)"""
+import copy
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..draft.proposer import DFlashProposer
+from ..model.config import target_text_config
+from ..ops.linear import streamed_linears
+from . import runner as runner_module
+from .rollback import CacheRollback
+from .runner import TargetRunner
+
+__all__ = ["median_seconds", "BlockSizeChoice", "choose_block_size", "time_target_alone", "fastest_target_alone"]
+
+
+@dataclass
+class BlockSizeChoice:
+    block_size: int
+    expected_tokens: dict     # B -> expected tokens per step (1 + sum of the accepted-prefix profile)
+    step_seconds: dict        # B -> measured draft + verify seconds of one step
+    tokens_per_second: dict   # B -> expected_tokens / step_seconds
+    profile_source: str
+
+
+def median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
+    """The median wall time of `reps` calls of `fn`, after `warmup` untimed ones."""
+    for _ in range(warmup):  # compiled passes: the compile and the CUDA-graph capture are not timed
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def choose_block_size(target, drafter, context_len: int,
+                      candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True,
+                      static_cache: bool = False, static_cache_len: Optional[int] = None) -> BlockSizeChoice:
+    """The verify block size B (<= the drafter's trained block) that maximises expected
+    tokens per second on this machine:
+
+        E(B) = 1 + sum_{j<B} P(the first j drafts are all accepted)   (the drafter's profile)
+        c(B) = draft step (the whole trained block, the LM head on B - 1 slots) + target pass over B tokens
+        B*   = argmax_B E(B) / c(B)
+
+    B = 1 is the target alone (E = 1, no draft step, a pass without hidden states, as
+    :func:`~.loop.spec_generate` then runs it): chosen where drafting does not pay.
+
+    The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
+    by training); without one nothing is timed and the trained block size is kept. c(B)
+    is timed here, at `context_len` tokens of context (median of 5), with the linear layers
+    and the cache as :func:`~.loop.spec_generate` runs them (`stream_linears`, `static_cache`: a
+    static cache of `static_cache_len` rows, default the context and the trained block; the
+    compiled graphs are shaped by it, so spec_generate passes its own. On CUDA every B is
+    compiled and warmed up before it is timed, one CUDA graph each: the candidates are then
+    thinned to powers of two and the trained block, within torch._dynamo's recompile limit
+    of 8). Each timed pass runs over B new tokens after the whole context, whatever the
+    context's length."""
+    with streamed_linears(target, drafter, enabled=stream_linears):
+        trained = drafter.config.block_size
+        profile = getattr(drafter, "acceptance_profile", None)
+        sizes = sorted({b for b in candidates if b <= trained} | {trained})
+        if not profile:
+            return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
+        runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=sizes if static_cache else ())
+        if runner.compiles:
+            sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
+        vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
+        context_len = max(1, context_len)
+        context = torch.randint(0, vocab, (1, context_len), device=runner.device)
+        # The verified tokens follow the context (a prompt may be shorter than the block).
+        block = torch.randint(0, vocab, (1, trained), device=runner.device)
+        cache = runner_module.static_cache(target, static_cache_len or context_len + trained) if static_cache else None
+        _, feats, cache = runner(context, cache)
+        rollback = CacheRollback(cache, max(sizes))
+        proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1)
+        proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device))
+
+        def verify(n):  # a pass over n tokens that are all rejected: the rollback is part of the step
+            runner(block[:, :n], cache, hidden_states=n > 1, rollback=rollback)
+            rollback(n)
+
+        warmup = 3 if runner.compiles else 0
+        expected, seconds, speed = {}, {}, {}
+        for b in sizes:
+            expected[b] = 1 + sum(profile[:b - 1])
+            draft_s = median_seconds(lambda: proposer.propose(1, context_len, b - 1)) if b > 1 else 0.0
+            seconds[b] = draft_s + median_seconds(lambda: verify(b), warmup=warmup)
+            speed[b] = expected[b] / seconds[b]
+        best = max(sizes, key=lambda b: speed[b])
+        return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
+
+
+@torch.no_grad()
+def time_target_alone(model, ids, stream: bool, reps: int = 7) -> float:
+    """Seconds of one one-token pass of the target alone after the prompt `ids` (median of
+    `reps`, after one untimed), its linear layers through skinny_linear (`stream`) or F.linear."""
+    with streamed_linears(model, enabled=stream):
+        runner = TargetRunner(model)
+        x = torch.as_tensor([ids], device=runner.device)
+        _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
+        rollback = CacheRollback(cache, 1)  # undoes each timed pass on every cache kind (windows, hybrids)
+
+        def step():
+            runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True, rollback=rollback)
+            rollback(1)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+
+        step()
+        return median_seconds(step, reps)
+
+
+def fastest_target_alone(model, ids, device) -> tuple:
+    """({(dtype, stream): seconds per token}, {dtype: model}): the target alone timed in fp32
+    and bf16, on the CPU with its linear layers through F.linear and through skinny_linear
+    (which wins depends on the CPU and the dtype: it is measured, never assumed).
+    `model` is the fp32 one; the bf16 copy is made here."""
+    models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
+    streams = (False, True) if torch.device(device).type == "cpu" else (False,)
+    timings = {(dtype, stream): time_target_alone(m, ids, stream) for dtype, m in models.items() for stream in streams}
+    return timings, models

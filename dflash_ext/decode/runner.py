@@ -1,0 +1,123 @@
+"""The target side of the loop: a Hugging Face causal LM as DFlash calls it.
+
+- :class:`TargetRunner`: one forward as the loop calls it (the cache argument's name,
+  last-position logits for a prefill, only the hidden states the drafter reads);
+- :func:`static_cache` / :func:`compiled_call`: the static cache and the compiled passes
+  over it (CUDA graphs through ``torch.compile``; the target itself off CUDA).
+
+The rollback of every cache kind is :mod:`.rollback`; which kernel runs the target's linear
+layers is :mod:`dflash_ext.ops.linear`'s (``streamed_linears``).
+"""
+import inspect
+from typing import Optional, Sequence
+
+import torch
+
+from .rollback import CacheRollback, drop_tail
+
+__all__ = ["TargetRunner", "cache_kwarg", "returned_cache", "static_cache", "compiled_call"]
+
+
+def cache_kwarg(model) -> str:
+    """The name of the KV-cache argument of a Hugging Face model's forward: recent
+    transformers name it `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    """The KV cache a Hugging Face forward returned (`cache` in recent transformers,
+    `past_key_values` in older ones)."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
+class TargetRunner:
+    """One target's forward as the loop calls it. The signature is inspected once
+    (:func:`cache_kwarg`, `logits_to_keep`), and only the hidden states the drafter reads
+    are asked for where transformers can select them (5.x takes a list of indices in
+    `output_hidden_states`; the tuple keeps its layout, with None elsewhere); otherwise, or
+    if the model returns None for one of them, all.
+
+    `compiled_sizes`: passes of these many tokens over a cache that is `is_compileable` (a
+    static one, transformers' criterion) run through :func:`compiled_call` (CUDA graphs on
+    CUDA; off CUDA the target itself); every other pass (the prefill, a shorter verify near
+    the budget) runs eagerly, as transformers' generate runs its prefill."""
+
+    def __init__(self, target, layer_ids: Optional[Sequence[int]] = None, compiled_sizes: Sequence[int] = ()):
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.cache_arg = cache_kwarg(target)
+        self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
+        self.needed = [l + 1 for l in layer_ids] if layer_ids else []
+        self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
+        self.compiled_sizes = set(compiled_sizes)
+        self.compiled = compiled_call(target) if self.compiled_sizes else target
+
+    @property
+    def compiles(self) -> bool:
+        """Whether some passes run compiled (on CUDA, with `compiled_sizes`)."""
+        return self.compiled is not self.target
+
+    def _forward(self, n: int, cache):
+        """The compiled call for a pass of `n` tokens where it applies, else the target."""
+        if not (self.compiles and n in self.compiled_sizes and getattr(cache, "is_compileable", False)):
+            return self.target
+        # A CUDA graph's outputs live in its pool until its next replay: the loop reads each
+        # pass's logits and hidden states before the next pass, so a new step may begin here.
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled
+
+    def __call__(self, ids: torch.Tensor, cache, hidden_states: bool = True, last_logits_only: bool = False,
+                 rollback: Optional[CacheRollback] = None):
+        """(logits [1, n, V], hidden states or None, cache) of one pass over `ids` [1, n];
+        `last_logits_only`: logits [1, 1, V] of the last position only (a prefill needs no
+        more; as in `generate`, which also rounds them the same way then). `rollback`: the
+        cache's :class:`CacheRollback` (a pass redone must be undone first; without one the
+        cache must crop)."""
+        want = self.select if hidden_states else False
+        if rollback is not None:
+            rollback.check_pass(ids.shape[1])
+        keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
+        out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want,
+                                                 **{self.cache_arg: cache}, **keep)
+        hs = out.hidden_states
+        if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
+                                                      for i in self.needed):
+            self.select = True  # this model cannot select: ask for all from now on, and redo this pass
+            if cache is not None:
+                rollback(ids.shape[1]) if rollback is not None else drop_tail(cache, ids.shape[1])
+            return self(ids, cache, hidden_states, last_logits_only, rollback)
+        return out.logits, hs, returned_cache(out)
+
+
+def static_cache(target, max_cache_len: int):
+    """An empty transformers StaticCache for `target` (its text config: the layer kinds,
+    windows and head widths) holding up to `max_cache_len` tokens: prompt, answer and the
+    rejected rows of the last verify pass. Its shapes never change, so a pass over it can be
+    compiled and captured (:func:`compiled_call`)."""
+    from transformers import StaticCache
+
+    return StaticCache(config=target.config, max_cache_len=max_cache_len)
+
+
+def compiled_call(target):
+    """The target's forward compiled to capture CUDA graphs at fixed shapes (transformers'
+    own `get_compiled_call` with a CompileConfig of mode "reduce-overhead", as its generate
+    compiles decoding passes over a static cache); off CUDA the target itself: compiling
+    is a no-op there (the CPU path runs the same passes eagerly)."""
+    if next(target.parameters()).device.type != "cuda":
+        return target
+    from transformers import CompileConfig
+
+    return target.get_compiled_call(CompileConfig(mode="reduce-overhead", fullgraph=False, dynamic=False))
+
+
+def _can_select_hidden_states() -> bool:
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()

@@ -1,0 +1,69 @@
+"""The target's parts a draft step runs: the embedding of the block [token, MASK...]
+(:func:`block_embedding`, here and in training), the LM head over the draft vocabulary
+(:func:`vocab_head`) and the draft tokens from the drafter's hidden states (:func:`draft_tokens`)."""
+import copy
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..model.layers import CandidateSelector
+from ..ops.linear import lm_head_linear
+
+__all__ = ["block_embedding", "vocab_head", "draft_tokens"]
+
+
+def block_embedding(target) -> nn.Module:
+    """The target's input embedding as DFlash embeds a block [token, MASK...]: as
+    transformers' DFlash path does (``DFlashTokenCandidateGenerator._get_noise_embeds``),
+    without the normaliser some embeddings apply after the lookup (``embed_norm``), keeping
+    any scale (Gemma's sqrt(H)). A view that shares the target's weights and leaves its
+    embedding as it is (transformers swaps the norm out per call, which a captured CUDA
+    graph or a concurrent target forward would not survive)."""
+    embed = target.get_input_embeddings()
+    if getattr(embed, "embed_norm", None) is None:
+        return embed
+    view = copy.copy(embed)
+    view._modules = {**embed._modules, "embed_norm": nn.Identity()}
+    return view
+
+
+# Per target LM head: the rows of the last draft vocabulary gathered from it.
+_VOCAB_HEADS = weakref.WeakKeyDictionary()
+
+
+def vocab_head(lm_head: nn.Module, vocab: torch.Tensor):
+    """(token ids, weight rows, bias rows or None) of the draft vocabulary `vocab` (sorted
+    token ids) in the target's `lm_head`, on its device and dtype. Gathered once per head and
+    vocabulary (a copy of V' rows: not per generation): gathered again when `vocab` is another
+    tensor or the head's weight or bias was replaced, moved, cast or changed in place. The
+    target is frozen: a write through ``.data``, which nothing can see, is not followed."""
+    w = lm_head.weight
+    bias = getattr(lm_head, "bias", None)
+    key = (w.data_ptr(), w._version, w.device, w.dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    held = _VOCAB_HEADS.get(lm_head)
+    if held is None or held[0] is not vocab or held[1] != key:
+        ids = vocab.to(w.device)
+        held = _VOCAB_HEADS[lm_head] = (vocab, key, ids, w.detach()[ids].contiguous(),
+                                        None if bias is None else bias.detach()[ids])
+    return held[2:]
+
+
+def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 vocab: Optional[torch.Tensor] = None, n: Optional[int] = None,
+                 selector: Optional[CandidateSelector] = None, anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Greedy draft tokens [Bsz, n] from the drafter's final hidden states [Bsz, B, H]: the
+    argmax of the LM head (`weight`, `bias`) at slots 1..n (default n = B - 1; slot 0 is the
+    last accepted token). Only those n rows go through the LM head, the step's largest
+    GEMM (:func:`~dflash_ext.ops.linear.lm_head_linear` picks its kernel). With a draft
+    vocabulary, `weight` holds the rows of those token ids only and `vocab` maps back. A
+    DFlash2 drafter's `selector` drafts its path from the `anchor` tokens [Bsz] (the block's
+    slot 0) over these logits instead of the argmax."""
+    Bsz, B, H = hidden.shape
+    n = B - 1 if n is None else n
+    logits = lm_head_linear(hidden[:, 1:n + 1].reshape(Bsz * n, H), weight, bias).view(Bsz, n, -1)
+    if selector is not None:
+        return selector(hidden[:, 1:n + 1], logits, anchor, vocab)
+    best = logits.argmax(-1)
+    return best if vocab is None else vocab[best]

@@ -1,0 +1,190 @@
+"""The draft runtime: a :class:`~dflash_ext.model.drafter.DFlashDrafter` at inference, over
+the fused ops. :class:`DraftRuntime` holds one generation's drafting state and runs the draft
+step; the proposer (:mod:`.proposer`, ``spec_generate``'s) and the Hugging Face assistant
+(:mod:`.assistant`) both wrap one. The drafter itself keeps no inference state.
+"""
+from typing import Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..model.layers import rope_tables
+from ..ops import reference
+from .cache import DraftCache
+from .graphs import CapturedDraftStep
+from .head import draft_tokens, vocab_head
+from .layers import fused_layer, stacked_kv_weights, stacked_layer_weights
+
+__all__ = ["DraftRuntime"]
+
+
+class DraftRuntime:
+    """One generation's drafting with `drafter` over `batch_size` sequences:
+
+    - the context cache (:class:`~.cache.DraftCache`): `capacity` rows per sequence at first,
+      growing up to `max_capacity` (None: fixed), each layer's window capped by `draft_window`;
+    - the RoPE tables, grown with the positions asked for (:meth:`cover`);
+    - the weights the fused ops read, by the rule of :mod:`.layers`: the drafts follow the
+      parameters' current values whatever wrote them, at any time (the drafter must keep its
+      device and dtype while a runtime drafts with it: the cache is in them);
+    - with the target's block `embed`\\ding and `lm_head` (the proposer's case): the draft tokens
+      (:meth:`draft`), the LM head restricted to the drafter's draft vocabulary
+      (:func:`~.head.vocab_head`), and with `cuda_graph` (a CUDA drafter, `fused`, `validate`
+      False) each block shape's step captured in a CUDA graph and replayed
+      (:class:`~.graphs.CapturedDraftStep`).
+
+    `fused`: the layers on the fused ops (False: the reference layers, ``DecoderLayer.forward``
+    over ``reference.*``). `validate`: the ops check their index values (and
+    :meth:`add_context` / :meth:`draft_hidden` read the largest position to size the RoPE
+    tables: on CUDA a sync each); False reads nothing on the host, so the caller covers the
+    positions first (:meth:`cover`) and the attention is planned for the cache's capacity (a
+    static bound: what a CUDA graph needs).
+    """
+
+    def __init__(self, drafter, capacity: int, *, batch_size: int = 1, max_capacity: Optional[int] = None,
+                 draft_window: Optional[int] = None, fused: bool = True, validate: bool = True, embed=None,
+                 lm_head=None, cuda_graph: bool = False):
+        p = drafter.fc.weight
+        if cuda_graph and not (p.device.type == "cuda" and fused):
+            raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")
+        if cuda_graph and (validate or embed is None or lm_head is None):
+            raise ValueError("cuda_graph=True captures the whole draft step: it needs validate=False (nothing read "
+                             "on the host) and the target's embed and lm_head")
+        self.drafter, self.config, self.fused, self.validate = drafter, drafter.config, fused, validate
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = DraftCache(self.config, batch_size, capacity, p.device, p.dtype, draft_window, max_capacity)
+        self.rope = None
+        first, limit = capacity + self.config.block_size + 1, self.config.rope_position_limit
+        self.cover(first if limit is None else min(first, limit))  # a position past a limit: its error, then
+        self._layer_weights = None
+        if fused:  # stacked now, on the caller's stream (never first inside a CUDA graph's warm-up)
+            self.layer_weights()
+        self.embed, self.lm_head, self.cuda_graph = embed, lm_head, bool(cuda_graph)
+        self.vocab = self.vocab_weight = self.vocab_bias = None
+        if lm_head is not None and drafter.draft_vocab is not None:
+            self.vocab, self.vocab_weight, self.vocab_bias = vocab_head(lm_head, drafter.draft_vocab)
+        self._graphs = {}  # (mask tokens in the block, tokens kept) -> CapturedDraftStep
+
+    # ------------------------------------------------------------------ state
+    def cover(self, positions: int) -> None:
+        """RoPE tables for at least the positions ``0 .. positions - 1``, grown geometrically (at
+        least 1024 positions, then doubling; a rope type's position limit caps the growth, and
+        asking past it is its error: :func:`~dflash_ext.model.layers.rope_tables`)."""
+        have = 0 if self.rope is None else self.rope[0].shape[0]
+        if have >= positions:
+            return
+        grown = max(positions, 2 * (have or 512))
+        limit = self.config.rope_position_limit
+        if limit is not None:
+            grown = max(positions, min(grown, limit))
+        self.rope = rope_tables(self.config, grown, self.device, self.dtype)
+
+    def layer_weights(self):
+        """Per layer, its stacked (q/k/v, gate/up) weights (:func:`~.layers.stacked_layer_weights`):
+        the same tensors while the parameters are still their views."""
+        self._layer_weights = stacked_layer_weights(self.drafter.layers, self._layer_weights)
+        return self._layer_weights
+
+    # ------------------------------------------------------------------ the draft step
+    @torch.no_grad()
+    def add_context(self, b: int, features: Sequence[torch.Tensor], positions: torch.Tensor) -> None:
+        """Project the target features [T, H] (one per target layer) of T newly accepted tokens
+        of sequence b at `positions` and write their K/V into every layer's cache (the cache
+        grows as needed). With ``validate=False`` a token skipped by the op for a position the
+        tables do not cover still counts in the cache length."""
+        T = features[0].shape[0]
+        if T == 0:
+            return
+        d, eps = self.drafter, self.config.rms_norm_eps
+        if self.validate:
+            self.cover(int(positions.max()) + 1)
+        impl = ops if self.fused else reference
+        ctx = impl.project_features(list(features), d.fc.weight, d.hidden_norm.weight, eps)
+        slots = self.cache.slots_for(b, T)
+        args = (ctx, *stacked_kv_weights(d.layers), *self.rope, positions, slots, self.cache.k, self.cache.v, eps)
+        if self.fused:
+            ops.inject_context_kv(*args, validate=self.validate)
+        else:
+            reference.inject_context_kv(*args)
+        self.cache.advance(b, T)
+
+    @torch.no_grad()
+    def draft_hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the N layers over the blocks ``block_embeds [Bsz, B, H]`` (target embeddings of
+        [last accepted token, MASK...]) at ``positions [Bsz, B]`` against each sequence's
+        context; returns the final-normed hidden states [Bsz, B, H]. Block K/V are scratch: the
+        cache is not changed."""
+        if self.validate:
+            self.cover(int(positions.max()) + 1)
+        return self._layers(block_embeds, positions)
+
+    def _layers(self, block_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`draft_hidden` at positions the RoPE tables cover already (nothing read on the host)."""
+        cos, sin = self.rope
+        cos, sin = cos[positions], sin[positions]  # [Bsz, B, D]
+        fused, cache = self.fused, self.cache
+        attention = ops.block_attention if fused else reference.block_attention
+        fused_args = dict(max_context=-1 if self.validate else cache.capacity, validate=self.validate) if fused else {}
+        scale = self.config.head_dim ** -0.5
+        symmetric = self.config.layer_symmetric_window
+        weights = self.layer_weights() if fused else None
+        token_rope = cos.flatten(0, 1), sin.flatten(0, 1)  # [Bsz * B, D]: the fused layers' rows
+        x, pending = block_embeds, None  # pending: a fused layer's MLP output, added by the next norm
+        for i, layer in enumerate(self.drafter.layers):
+            def attend(q, k, v, i=i):  # symmetric: |p - k| < W per query (DFlash2's sliding layers)
+                return attention(q, k, v, cache.k[i], cache.v[i], cache.offsets, cache.lens, scale,
+                                 window=cache.windows[i], causal=cache.causal[i], symmetric=symmetric[i], **fused_args)
+            if fused:
+                x, pending = fused_layer(layer, *weights[i], x, pending, *token_rope, attend)
+                continue
+            x = layer(x, cos[:, :, None, :], sin[:, :, None, :], attend, reference.block_conv)
+        norm = self.drafter.norm
+        if not fused:
+            return norm(x)
+        return ops.rms_norm(x, norm.weight, norm.eps) if pending is None else \
+            ops.rms_norm(pending, norm.weight, norm.eps, residual=x)[1]
+
+    def draft_tokens(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n draft tokens [Bsz, n] of the blocks `ids` [Bsz, W + 1] at `positions`: the
+        target's embedding of the blocks, :meth:`draft_hidden`, the LM head (over the draft
+        vocabulary) and each slot's argmax, or a DFlash2 drafter's selector path. The positions
+        must be covered (:meth:`cover`): nothing is read on the host here (with ``validate=False``
+        not by the ops either), so this is what a captured step replays."""
+        if self.embed is None or self.lm_head is None:
+            raise ValueError("draft_tokens needs the target's embed and lm_head (DraftRuntime(..., embed=, lm_head=))")
+        hidden = self._layers(self.embed(ids).to(self.dtype), positions)
+        if self.vocab is None:
+            head = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        else:
+            head = self.vocab_weight, self.vocab_bias
+        selector = getattr(self.drafter, "candidate_selector", None)  # DFlash2
+        return draft_tokens(hidden.to(head[0].dtype), *head, vocab=self.vocab, n=n, selector=selector,
+                            anchor=ids[:, 0])
+
+    @torch.no_grad()
+    def draft(self, last_token: int, position: int, width: int, n: int) -> torch.Tensor:
+        """The first n draft tokens [n] of sequence 0's block [last_token, MASK x width] at the
+        positions ``position .. position + width`` (covered here, from host numbers): with
+        `cuda_graph`, a replay of the step captured for (width, n), captured anew once what it
+        reads changed (:meth:`graph_layout`)."""
+        self.cover(position + width + 1)
+        if self.cuda_graph:
+            step = self._graphs.get((width, n))
+            if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
+                self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
+                step = self._graphs[(width, n)] = CapturedDraftStep(self, width, n)
+            return step(last_token, position)[0]
+        ids = torch.full((1, width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, :1].fill_(last_token)
+        return self.draft_tokens(ids, torch.arange(position, position + width + 1, device=self.device)[None], n)[0]
+
+    def graph_layout(self) -> tuple:
+        """What a captured step reads by address: the cache (new tensors at every growth, which
+        also changes the capacity the attention is planned for), the RoPE tables, the stacked
+        layer weights and the vocabulary head (the same tensors while current), and the address
+        of every parameter it reads (a parameter given a new tensor)."""
+        stacked = [w for pair in self.layer_weights() for w in pair]
+        params = (*self.drafter.parameters(), *self.embed.parameters(), *self.lm_head.parameters())
+        return (self.cache.k, self.cache.v, *self.rope, *stacked,
+                *(t for t in (self.vocab_weight, self.vocab_bias) if t is not None),
+                tuple(p.data_ptr() for p in params))

@@ -1,0 +1,452 @@
+"""Drafter checkpoints on disk, in the reference format (z-lab/dflash ``DFlashDraftModel``):
+``config.json`` (:mod:`.config`) and safetensors weights named
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``,
+``layers.{i}.{input,post_attention}_layernorm.weight``, ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight`` (the embedding and LM head are the target's),
+plus two optional files of ours beside them. A DFlash2 checkpoint (``DFlash2DraftModel``)
+also has ``layers.{i}.{attention,mlp}_conv.base_kernel`` [2, T, H] and
+``layers.{i}.{attention,mlp}_conv.kernel_projection.weight`` [2*T*G, H],
+``candidate_selector.hidden_projection.weight`` [R, H] and the raw (no ``.weight``)
+``candidate_selector.{predecessor,successor}_codebook`` [V, R]. Resolving a path or hub id, reading and
+writing: the module that builds the drafter from them is :mod:`.drafter`.
+"""
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+
+from .config import DFlashConfig
+
+__all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint", "check_weights", "torch_dtype", "WEIGHTS_NAME",
+           "CONFIG_NAME", "ACCEPTANCE_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_INDEX_NAME", "write_folder_atomically",
+           "write_file_atomically"]
+
+WEIGHTS_NAME = "model.safetensors"
+# Hugging Face's sharded form, read when there is no WEIGHTS_NAME: {"weight_map": {tensor: shard file}}
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+# Optional, beside the reference files (the authors' loader ignores it): the held-out
+# accepted-prefix profile {"accept": [P(first j drafts accepted) for j = 1..B-1], "tau": ...}
+# that block_size="auto" reads.
+ACCEPTANCE_NAME = "acceptance.json"
+# Optional draft vocabulary (EAGLE-3's reduced draft vocabulary): with
+# dflash_config.draft_vocab_size = K in config.json, this file beside it holds
+# {"token_ids": [K sorted target token ids]} and drafts are the argmax over those rows of
+# the target's LM head only (K/V of its cost). Verification is unchanged, so output is too.
+DRAFT_VOCAB_NAME = "draft_vocab.json"
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint folder holds, checked against its config."""
+    path: str
+    config: DFlashConfig
+    state: Dict[str, torch.Tensor]
+    acceptance_profile: Optional[List[float]] = None
+    draft_vocab: Optional[List[int]] = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights were written in: the one that holds most of their elements
+        (a bf16 checkpoint with a norm kept in fp32 is a bf16 checkpoint; a tie goes to the
+        wider dtype). A load under dtype=None/"auto" casts every weight to it."""
+        elements: Dict[torch.dtype, int] = {}
+        for t in self.state.values():
+            elements[t.dtype] = elements.get(t.dtype, 0) + t.numel()
+        return max(elements, key=lambda d: (elements[d], torch.finfo(d).bits))
+
+
+def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only: Optional[bool] = None,
+                    revision: Optional[str] = None) -> Checkpoint:
+    """Read a checkpoint from a local folder or a Hugging Face repo id (resolved through the
+    local hub cache; a download is tried only when neither `local_files_only` nor
+    HF_HUB_OFFLINE forbids it). Every error names the file (and the field or tensor)."""
+    path = _resolve_checkpoint(path, cache_dir, local_files_only, revision)
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_NAME}")
+    config = DFlashConfig.from_json_dict(_read_json(cfg_path), source=cfg_path)
+    ckpt = Checkpoint(path, config, _read_weights(path))
+    acc_path = os.path.join(path, ACCEPTANCE_NAME)
+    if os.path.exists(acc_path):
+        profile = _json_field(acc_path, "accept")
+        if type(profile) is not list or len(profile) != config.block_size - 1 \
+                or not all(type(p) in (int, float) and 0 <= p <= 1 for p in profile):
+            raise ValueError(f"{acc_path}: 'accept' must hold block_size - 1 = {config.block_size - 1} "
+                             f"probabilities, got {profile!r}")
+        ckpt.acceptance_profile = [float(p) for p in profile]
+    vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+    if config.draft_vocab_size is not None:
+        if not os.path.exists(vocab_path):
+            raise FileNotFoundError(f"{cfg_path} sets dflash_config.draft_vocab_size but {vocab_path} is missing")
+        ids = _json_field(vocab_path, "token_ids")
+        if type(ids) is not list or not all(type(i) is int for i in ids):
+            raise ValueError(f"{vocab_path}: 'token_ids' must be a list of ints, got {str(ids)[:80]}")
+        if len(ids) != config.draft_vocab_size:
+            raise ValueError(f"{vocab_path} holds {len(ids)} token ids, dflash_config.draft_vocab_size "
+                             f"says {config.draft_vocab_size}")
+        ckpt.draft_vocab = ids
+    elif os.path.exists(vocab_path):
+        raise ValueError(f"{vocab_path} exists but {cfg_path} has no dflash_config.draft_vocab_size")
+    return ckpt
+
+
+def _read_json(path: str):
+    """A JSON file's contents; a file that is not JSON is an error naming it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _json_field(path: str, key: str):
+    """`key` of the JSON object in `path`; its absence is an error naming both."""
+    d = _read_json(path)
+    if type(d) is not dict or key not in d:
+        raise ValueError(f"{path} must hold a JSON object with '{key}', got {str(d)[:80]}")
+    return d[key]
+
+
+def _weight_files(path: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
+    """The weight files the format names, and the index's tensor -> shard map (None without
+    one): model.safetensors, else the shards that a Hugging Face sharded index
+    (model.safetensors.index.json) maps the tensors to. Any other .safetensors file in the
+    folder is not the checkpoint's and is not read."""
+    single = os.path.join(path, WEIGHTS_NAME)
+    if os.path.exists(single):
+        return [single], None
+    index_path = os.path.join(path, WEIGHTS_INDEX_NAME)
+    if not os.path.exists(index_path):
+        raise FileNotFoundError(f"drafter checkpoint {path} has neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
+    weight_map = _json_field(index_path, "weight_map")
+    if type(weight_map) is not dict or not weight_map \
+            or not all(type(f) is str and os.path.basename(f) == f for f in weight_map.values()):
+        raise ValueError(f"{index_path}: 'weight_map' must map each tensor name to a shard file in the folder")
+    shards = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    for shard in shards:
+        if not os.path.exists(shard):
+            raise FileNotFoundError(f"{index_path} names the shard {shard}, which is missing")
+    return shards, weight_map
+
+
+def _read_weights(path: str) -> Dict[str, torch.Tensor]:
+    """The tensors of the checkpoint's weight files: each readable, each tensor in the file
+    the index maps it to, each value finite (a NaN or inf weight drafts garbage that
+    verification would only hide as a slow run)."""
+    from safetensors.torch import load_file
+
+    files, weight_map = _weight_files(path)
+    state = {}
+    for file in files:
+        try:
+            tensors = load_file(file)
+        except Exception as e:  # safetensors' own error types: truncated, garbled, bad header
+            raise ValueError(f"drafter checkpoint {file} is not a readable safetensors file: "
+                             f"{type(e).__name__}: {e}") from e
+        if weight_map is not None:
+            mapped = {n for n, f in weight_map.items() if f == os.path.basename(file)}
+            if set(tensors) != mapped:
+                raise ValueError(f"drafter checkpoint {file} does not hold the tensors {WEIGHTS_INDEX_NAME} "
+                                 f"maps to it: missing {sorted(mapped - set(tensors))[:8]}, "
+                                 f"not in the index {sorted(set(tensors) - mapped)[:8]}")
+        check_weights(tensors, f"drafter checkpoint {file}")
+        state.update(tensors)
+    return state
+
+
+def check_weights(state: Dict[str, torch.Tensor], where: str) -> None:
+    """ValueError (starting with `where`) unless every tensor is floating point and finite:
+    a drafter has no integer or bool weights (read as numbers they would load as 0/1 or fail
+    in a cast without a name), and a NaN or inf weight drafts garbage that verification would
+    only hide as a slow run. Loads and saves apply the same rule, so a save never writes
+    what a load refuses."""
+    for name, t in state.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{where}: tensor {name} is {str(t.dtype).replace('torch.', '')}; "
+                             f"a drafter's weights are floating point")
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{where}: tensor {name} has {bad} non-finite values (NaN/inf)")
+
+
+def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Tensor],
+                     acceptance_profile: Optional[List[float]] = None,
+                     draft_vocab: Optional[List[int]] = None, *,
+                     extra_files: Optional[Dict[str, Union[bytes, Callable[[str], None]]]] = None,
+                     overwrite: bool = False) -> None:
+    """Write the reference format (`state`: CPU tensors, contiguous, in the dtype to store),
+    our optional files and `extra_files` (name -> bytes, or a callable that writes the file
+    at the path it is given) as one folder that replaces `path` atomically: a crash at any
+    moment leaves the old folder or the new one, never a mix, and files of the old folder
+    this save does not write (a stale acceptance.json or draft_vocab.json) are gone.
+
+    A `path` that exists but does not look like a checkpoint folder (no config.json, or
+    files a checkpoint folder never holds) is refused unless `overwrite`: the save would
+    delete them."""
+    from safetensors.torch import save_file
+
+    path = os.path.abspath(os.fspath(path))
+    extra_files = dict(extra_files or {})
+    if not overwrite:
+        _refuse_foreign_folder(path, set(extra_files))
+    # What a load would refuse is refused before anything is written: the old folder stays.
+    check_weights(state, f"refusing to save the drafter checkpoint {path}")
+    d = config.to_json_dict()
+    try:
+        DFlashConfig.from_json_dict(json.loads(json.dumps(d)), source=os.path.join(path, CONFIG_NAME))
+    except ValueError as e:
+        raise ValueError(f"refusing to save the drafter checkpoint {path}: its config would not load: {e}") from e
+    d["torch_dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
+    files: Dict[str, Union[bytes, Callable[[str], None]]] = {
+        CONFIG_NAME: json.dumps(d, indent=2).encode(),
+        WEIGHTS_NAME: lambda p: save_file(state, p, metadata={"format": "pt"}),
+    }
+    if acceptance_profile is not None:
+        files[ACCEPTANCE_NAME] = json.dumps({"accept": acceptance_profile}).encode()
+    if draft_vocab is not None:
+        files[DRAFT_VOCAB_NAME] = json.dumps({"token_ids": draft_vocab}).encode()
+    files.update(extra_files)
+    write_folder_atomically(path, files)
+
+
+# Files a checkpoint folder may hold besides the ones write_checkpoint writes (and weights in
+# Hugging Face's sharded form): a model card (the shipped drafter has one, as Hugging Face
+# repos do). A save replaces them too.
+_CHECKPOINT_COMPANIONS = {"README.md", ".gitattributes"}
+
+
+def _refuse_foreign_folder(path: str, extra_names: Set[str]) -> None:
+    """ValueError where replacing `path` would delete something that is not a checkpoint of ours."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"cannot save a drafter checkpoint to {path}: it exists and is not a folder "
+                         f"(pass overwrite=True to replace it)")
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    ours = {CONFIG_NAME, ACCEPTANCE_NAME, DRAFT_VOCAB_NAME} | _CHECKPOINT_COMPANIONS | extra_names
+    foreign = [n for n in names if not (os.path.isfile(os.path.join(path, n))
+                                        and (n in ours or n.endswith((".safetensors", ".safetensors.index.json"))))]
+    if CONFIG_NAME not in names or foreign:
+        shown = foreign or names
+        raise ValueError(f"cannot save a drafter checkpoint to {path}: it is not a drafter checkpoint folder "
+                         f"(it holds {', '.join(shown[:5])}{', ...' if len(shown) > 5 else ''}"
+                         f"{'' if CONFIG_NAME in names else f' and no {CONFIG_NAME}'}) and a save replaces "
+                         f"the whole folder; pass overwrite=True to replace it")
+
+
+def write_folder_atomically(path: str, files: Dict[str, Union[bytes, Callable[[str], None]]]) -> None:
+    """Make `path` a folder holding exactly `files` (name -> bytes, or a callable writing the
+    file at the path it is given), atomically: the folder is built as a hidden sibling
+    (same parent: the rename stays on one filesystem), flushed to disk, then swapped in
+    (:func:`_swap_in`) and the old folder deleted. Whatever `path` held before goes."""
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    _remove_dead_writers_leftovers(parent, name)
+    new = _temporary_sibling(parent, name)
+    os.mkdir(new)  # not tempfile's: its 0700 would become the checkpoint's mode; this one follows the umask
+    try:
+        for file_name, content in files.items():
+            file_path = os.path.join(new, file_name)
+            if isinstance(content, bytes):
+                with open(file_path, "wb") as f:
+                    f.write(content)
+            else:
+                content(file_path)
+            _follow_umask(file_path)
+            _fsync(file_path)
+        _fsync_folder(new)
+        old = _swap_in(new, path)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    _fsync_folder(parent)
+    if old is not None:
+        _remove(old)
+
+
+def write_file_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Write one file through a hidden temporary sibling (`write(tmp_path)`), flushed to disk
+    and renamed over `path`: readers see the old file or the whole new one."""
+    parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+    _remove_dead_writers_leftovers(parent, name)
+    tmp = _temporary_sibling(parent, name)  # created by `write`, with the mode the umask gives
+    try:
+        write(tmp)
+        _follow_umask(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    _fsync_folder(parent)
+
+
+def _umask() -> int:
+    """The process's umask (read from /proc on Linux, where reading it does not change it)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _follow_umask(path: str) -> None:
+    """Give a written file the mode a plain open() would: some writers (safetensors' save_file)
+    create theirs owner-only, whatever the umask says."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _temporary_sibling(parent: str, name: str) -> str:
+    """A fresh hidden name beside `name`; the writer's pid in it tells a later save whether
+    the writer is still alive (:func:`_remove_dead_writers_leftovers`)."""
+    return os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(path: str) -> None:
+    """Make the renames in a folder durable (POSIX; Windows cannot open a folder so)."""
+    if os.name != "nt":
+        _fsync(path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where this
+    OS, C library or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+def _swap_in(new: str, path: str) -> Optional[str]:
+    """Put the folder `new` at `path`; returns where the old content of `path` now is (to
+    delete), or None. Linux: one atomic exchange. Elsewhere: the old folder is renamed
+    aside, then the new one in: a crash between the two renames (microseconds) leaves no
+    folder at `path` but the old one complete at ``.{name}.old-{pid}-*``, which the next
+    save to `path` puts back before anything else (:func:`_remove_dead_writers_leftovers`)."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return None
+    if _exchange(new, path):
+        return new  # `new` now names the old folder
+    parent, name = os.path.split(path)
+    aside = os.path.join(parent, f".{name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, aside)
+    os.rename(new, path)
+    return aside
+
+
+def _remove_dead_writers_leftovers(parent: str, name: str) -> None:
+    """Delete the temporary siblings of `name` left by writers killed mid-save: only those
+    whose process is gone, so a concurrent save of another process keeps its own (the pid
+    is in the name). An old folder set aside by a killed fallback swap (:func:`_swap_in`)
+    is put back when `name` is missing, deleted otherwise."""
+    path = os.path.join(parent, name)
+    for entry in sorted(os.listdir(parent)):
+        for kind in ("tmp", "old"):
+            prefix = f".{name}.{kind}-"
+            if not entry.startswith(prefix):
+                continue
+            pid = entry[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            leftover = os.path.join(parent, entry)
+            if kind == "old" and not os.path.lexists(path):
+                os.rename(leftover, path)
+            else:
+                _remove(leftover)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def torch_dtype(dtype) -> Optional[torch.dtype]:
+    """A torch dtype from a dtype, its name ("bfloat16", "torch.float32"), or "auto"/None
+    (None: keep the checkpoint's)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype.replace("torch.", ""), None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype")
+        return named
+    return dtype
+
+
+def _resolve_checkpoint(path: str, cache_dir, local_files_only, revision) -> str:
+    """A local folder as it is; anything else is a Hugging Face repo id looked up in the
+    local hub cache (huggingface_hub), fetched only where that is allowed."""
+    if os.path.isdir(path):
+        return path
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an "org/name" repo id
+        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    offline = constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
+    patterns = [CONFIG_NAME, "*.safetensors", WEIGHTS_INDEX_NAME, ACCEPTANCE_NAME, DRAFT_VOCAB_NAME]
+    try:
+        return snapshot_download(path, cache_dir=cache_dir, revision=revision, local_files_only=True,
+                                 allow_patterns=patterns)
+    except HFValidationError:
+        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}") from None
+    except Exception as cached_error:  # not in the cache
+        if offline:
+            raise FileNotFoundError(
+                f"drafter checkpoint {path!r} is neither a local folder nor in the local Hugging Face cache "
+                f"({cache_dir or constants.HF_HUB_CACHE}); offline (HF_HUB_OFFLINE / local_files_only), so it "
+                f"is not downloaded") from cached_error
+    try:
+        return snapshot_download(path, cache_dir=cache_dir, revision=revision, allow_patterns=patterns)
+    except Exception as e:
+        raise FileNotFoundError(f"drafter checkpoint {path!r} is neither a local folder nor in the local Hugging "
+                                f"Face cache, and fetching it failed: {type(e).__name__}: {e}") from e

@@ -1,0 +1,90 @@
+"""`python -m dflash_ext generate --baseline` (what ./run.sh demo runs) tells what happened:
+the baseline is the fastest target alone measured here, a block size of 1 is said to be the
+target alone (no speedup claimed) with the drafter's own best run beside it, and the output
+comparison says what it means in the dtype."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import dflash_ext.decode.autotune  # noqa: E402
+import dflash_ext.model.pretrained  # noqa: E402
+from dflash_ext import BlockSizeChoice  # noqa: E402
+from dflash_ext.cli.main import main  # noqa: E402
+from dflash_ext.testing.targets import tiny_target  # noqa: E402
+
+
+class _Tokenizer:
+    """Stands in for a tokenizer: a fixed prompt, tokens decoded as numbers."""
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, return_dict=True):
+        return {"input_ids": [3, 14, 15, 92, 65, 35, 89, 79]}
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return " ".join(map(str, tokens))
+
+
+@pytest.fixture
+def tiny_run(monkeypatch, tmp_path):
+    """main() on a tiny random target with a fresh drafter; returns (stderr text, JSON report)."""
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target",
+                        lambda path=None, dtype=torch.float32, device="cpu", tokenizer=True:
+                        (tiny_target().to(dtype), _Tokenizer()))
+
+    def run(capsys, *extra):
+        out = tmp_path / "report.json"
+        main(["generate", "--baseline", "--fresh-drafter", "--draft-layers", "1", "--max-new-tokens", "6",
+              "--threads", "1", "--json", str(out), *extra])
+        return capsys.readouterr().err, json.loads(out.read_text())
+
+    return run
+
+
+def test_block_size_one_is_called_the_target_alone(tiny_run, monkeypatch, capsys):
+    chosen = BlockSizeChoice(1, {1: 1.0, 2: 1.4, 4: 1.6}, {1: 0.01, 2: 0.02, 4: 0.03}, {1: 100.0, 2: 70.0, 4: 80.0},
+                             "a test's")
+    monkeypatch.setattr(dflash_ext.decode.autotune, "choose_block_size", lambda *a, **k: chosen)
+    err, report = tiny_run(capsys, "--dtype", "float32")
+    assert "drafting does not pay here" in err and "no DFlash speedup here" in err
+    assert "DFlash (block size" not in err  # the speedup line of a run that drafted
+    assert report["dflash"]["block_size"] == 1
+    assert report["dflash_best_drafting"]["block_size"] == 4  # the best B > 1 of the expected speeds
+    assert "the drafter at block size 4 (tau" in err and report["speedup_best_drafting"] > 0
+
+
+def test_baseline_is_the_fastest_target_alone_measured(tiny_run, capsys):
+    err, report = tiny_run(capsys, "--dtype", "auto", "--block-size", "4")
+    timings = report["target_alone_ms_per_token"]
+    assert set(timings) == {"float32 with F.linear", "float32 with skinny_linear", "bfloat16 with F.linear",
+                            "bfloat16 with skinny_linear"}
+    fastest = min(timings, key=timings.get)
+    assert report["baseline"]["config"] == fastest
+    assert report["dtype"] == fastest.split(" with ")[0]  # auto: the dtype of the fastest target alone
+    assert f"the fastest way measured here ({fastest}" in err
+    assert "DFlash (block size 4" in err.split("===")[1].splitlines()[1]  # the first line of results
+    if report["dtype"] == "bfloat16":
+        assert "--dtype float32 gives the exact comparison" in err
+
+
+def test_bf16_output_line_says_why_and_how_to_get_the_exact_run(tiny_run, capsys):
+    err, report = tiny_run(capsys, "--dtype", "bfloat16", "--block-size", "4")
+    line = next(l for l in err.splitlines() if l.strip().startswith("output:"))
+    assert "rounds differently from one-token decoding" in line and "--dtype float32" in line
+    assert isinstance(report["identical_to_baseline"], bool)
+
+
+@pytest.mark.slow
+def test_demo_on_the_embedded_target_in_fp32(tmp_path, capsys):
+    """The real demo, shortened: the shipped drafter, fp32, where the output must equal the
+    target alone's exactly."""
+    out = tmp_path / "demo.json"
+    main(["generate", "--baseline", "--dtype", "float32", "--max-new-tokens", "12", "--json", str(out)])
+    report = json.loads(out.read_text())
+    err = capsys.readouterr().err
+    assert report["identical_to_baseline"] is True and "float32: exact" in err
+    assert report["dflash"]["new_tokens"] == report["baseline"]["new_tokens"] == 12
+    assert report["baseline"]["config"].startswith("float32") or report["baseline"]["config"].startswith("bfloat16")
+    assert report["speedup"] > 0

@@ -1,0 +1,73 @@
+"""The public API is exported once, from the package root; the 0.1 paths the README showed
+(``dflash_ext.drafter``, ``.decoding``, ``.models``, ``.proposer``, ``DFlashDrafter.as_assistant``)
+keep working for one release, each use warning (DeprecationWarning) with the import that
+replaces it (dflash_ext/_deprecated.py)."""
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import dflash_ext
+from dflash_ext._deprecated import MOVED
+from dflash_ext.testing.targets import tiny_target
+
+README_NAMES = ("DFlashDrafter", "spec_generate", "target_generate", "load_default_target", "default_drafter_path",
+                "DFlashConfig", "GenerationResult", "DFlashAssistant", "rms_norm", "qk_norm_rope", "project_features",
+                "inject_context_kv", "block_attention", "skinny_linear", "block_conv", "ops", "reference", "info")
+
+
+def test_the_root_exports_the_public_api():
+    assert set(README_NAMES) <= set(dflash_ext.__all__)
+    for name in dflash_ext.__all__:
+        assert getattr(dflash_ext, name) is not None, name
+    assert set(dflash_ext.__all__) <= set(dir(dflash_ext))
+    assert dflash_ext.rms_norm is dflash_ext.ops.rms_norm and dflash_ext.reference is importlib.import_module(
+        "dflash_ext.ops.reference")
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        dflash_ext.nothing
+
+
+def test_importing_the_package_loads_no_decoding_side():
+    """The root's decoding names load on first use: `import dflash_ext` (the ops) stays light."""
+    code = "import sys, dflash_ext; print('transformers' in sys.modules, 'dflash_ext.decode.loop' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("old,name,new", [(o, n, m) for o, names in MOVED.items() for n, m in names.items()])
+def test_each_old_path_warns_with_its_new_import_and_resolves(old, name, new):
+    module = importlib.import_module(f"dflash_ext.{old}")
+    with pytest.warns(DeprecationWarning) as record:
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(f"dflash_ext.{new}"), name)
+    (warning,) = record
+    replacement = f"from dflash_ext import {name}" if name in dflash_ext.__all__ else f"from dflash_ext.{new} import {name}"
+    assert str(warning.message) == f"dflash_ext.{old} is deprecated and goes in 0.3: use `{replacement}`"
+    assert warning.filename == __file__  # it points at the caller
+
+
+def test_the_old_from_imports_warn_and_resolve():
+    with pytest.warns(DeprecationWarning, match="use `from dflash_ext import DFlashDrafter`"):
+        from dflash_ext.drafter import DFlashDrafter
+    assert DFlashDrafter is dflash_ext.DFlashDrafter
+    with pytest.warns(DeprecationWarning, match="use `from dflash_ext import spec_generate`"):
+        from dflash_ext.decoding import spec_generate
+    assert spec_generate is dflash_ext.spec_generate
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        importlib.import_module("dflash_ext.models").nothing
+
+
+def test_as_assistant_warns_and_returns_the_assistant():
+    target = tiny_target()
+    drafter = dflash_ext.DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    with pytest.warns(DeprecationWarning, match=r"use `dflash_ext.DFlashAssistant\(drafter, target\)`"):
+        assistant = drafter.as_assistant(target, draft_window=8)
+    assert isinstance(assistant, dflash_ext.DFlashAssistant) and assistant.drafter is drafter
+    assert assistant.draft_window == 8
+
+
+def test_the_suite_itself_fails_on_a_deprecated_path():
+    """pyproject.toml's filterwarnings: outside pytest.warns, a deprecated path is an error here."""
+    with pytest.raises(DeprecationWarning):
+        importlib.import_module("dflash_ext.proposer").DFlashProposer
