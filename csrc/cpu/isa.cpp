@@ -78,7 +78,9 @@ GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
 }
 
 bool skinny_linear_streams(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
-  return rows >= 1 && rows <= kStreamRows && gemm_path(dtype, rows, weight_bytes) == GemmPath::tiles;
+  if (rows < 1 || rows > kSkinnyRows) return false;
+  if (dtype == at::kBFloat16 && active_isa() >= Isa::avx512_bf16) return true;
+  return rows <= kStreamRows && gemm_path(dtype, rows, weight_bytes) == GemmPath::tiles;
 }
 
 const char* path_name(GemmPath path) {

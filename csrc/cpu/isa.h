@@ -35,7 +35,12 @@ GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes);
 const char* path_name(GemmPath path);
 
 // Whether skinny_linear streams `rows` input rows over `weight_bytes` of weights through our
-// kernel (1..kStreamRows rows where gemm_path says tiles) or calls the library's linear.
+// kernel or calls the library's linear. bf16 on bf16 units (avx512_bf16 and up): its bf16
+// dot-product kernel for 1..kSkinnyRows rows (a verify pass of up to 16 tokens), any weight:
+// faster than oneDNN on every target shape measured on the EPYC-bf16, weights in DRAM or in
+// cache (not measured on AMX, which takes the same rule); otherwise the fp32 streaming
+// kernel for 1..kStreamRows rows where gemm_path says tiles.
+constexpr int64_t kSkinnyRows = 16;
 bool skinny_linear_streams(at::ScalarType dtype, int64_t rows, int64_t weight_bytes);
 
 // The path of block_attention for `keys` keys per sequence (context + block) and `rows`

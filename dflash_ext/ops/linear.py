@@ -30,8 +30,9 @@ __all__ = ["skinny_linear_streams", "streamed_linear", "lm_head_linear", "linear
 
 
 def skinny_linear_streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``ops.skinny_linear(x, weight)`` runs its streaming kernel (1..8 rows where the
-    GEMM rule says tiles) rather than the library's linear; False off the CPU and for dtypes
+    """Whether ``ops.skinny_linear(x, weight)`` runs its streaming kernel rather than the
+    library's linear (the rule is the kernels', ``csrc/cpu/isa.h``: 1..16 bf16 rows on bf16 units,
+    else 1..8 rows where the GEMM rule says tiles); False off the CPU and for dtypes
     the op does not take (float64)."""
     if x.device.type != "cpu" or x.dtype not in hardware.CPU_KERNEL_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
         return False

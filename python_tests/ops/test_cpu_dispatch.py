@@ -69,12 +69,15 @@ def test_paths_follow_the_level(cpu_isa_level):
     assert hardware.cpu_paths(torch.float16, rows=4) == {
         "project_features": "tiles", "inject_context_kv": "tiles", "skinny_linear": "stream",
         "block_attention": "tiles"}
-    # skinny_linear streams 1..8 rows where the GEMM rule says tiles, else the library's linear
+    # skinny_linear: bf16 on bf16 units streams 1..16 rows over any weight (its dot-product
+    # kernel); otherwise 1..8 rows where the GEMM rule says tiles, else the library's linear
     assert hardware.cpu_paths(torch.float32, rows=8, weight_bytes=1 << 30)["skinny_linear"] == "stream"
     assert hardware.cpu_paths(torch.float32, rows=9)["skinny_linear"] == "library"
     assert hardware.cpu_paths(torch.bfloat16, rows=4, weight_bytes=2 << 20)["skinny_linear"] == "stream"
     big = hardware.cpu_paths(torch.bfloat16, rows=1, weight_bytes=(12 << 20) + 1)["skinny_linear"]
-    assert big == ("library" if bf16_units else "stream")
+    assert big == "stream"
+    assert hardware.cpu_paths(torch.bfloat16, rows=16)["skinny_linear"] == ("stream" if bf16_units else "library")
+    assert hardware.cpu_paths(torch.bfloat16, rows=17)["skinny_linear"] == "library"
 
 
 def _import_with_env(value):

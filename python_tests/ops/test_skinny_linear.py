@@ -12,10 +12,11 @@ from dflash_ext.testing.inputs import make_linear_inputs
 from python_tests.helpers import DEVICES, DTYPES, check_op
 
 
-# Rows 1..8 stream on the CPU, 9 and 300 go to the library; K = 1536 / 576 are the
-# SmolLM2 MLP and hidden widths, 33 and 7 leave a remainder after the 16-float steps.
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 300]
-SHAPES = [(576, 576), (200, 1536), (49, 33), (3, 7)]
+# Rows 1..8 stream on the CPU, bf16 up to 16 on bf16 units, 17 and 300 go to the library;
+# K = 1536 / 576 are the SmolLM2 MLP and hidden widths, 33, 95 and 7 leave a remainder after
+# the 16-float (32-bf16) steps; N = 49, 37, 3 leave weight rows after the kernels' groups.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 300]
+SHAPES = [(576, 576), (200, 1536), (49, 33), (37, 95), (3, 7)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,6 +52,65 @@ def test_strided_inputs_and_leading_dims(dtype, device):
     out = dflash_ext.skinny_linear(x3, w, b)
     assert out.shape == (2, 2, 48)
     torch.testing.assert_close(out.view(4, 48), dflash_ext.skinny_linear(x, w, b), rtol=0, atol=0)
+
+
+def _poisoned_inputs(M, N, K, dtype, seed):
+    """x [M, K] and weight [N, K] whose memory goes on with NaN: x's rows are strided with NaN
+    columns after K and NaN rows after M; weight is the first N rows of a contiguous buffer
+    with NaN rows after them. A kernel reading past K, M or N returns NaN."""
+    x, w, b = make_linear_inputs(M, N, K, bias=True, dtype=dtype, seed=seed)
+    xbuf = torch.full((M + 3, K + 37), float("nan"), dtype=dtype)
+    xbuf[:M, :K] = x
+    wbuf = torch.full((N + 17, K), float("nan"), dtype=dtype)
+    wbuf[:N] = w
+    return xbuf[:M, :K], wbuf[:N], torch.stack([b, torch.full_like(b, float("nan"))], 1)[:, 0]
+
+
+@pytest.mark.parametrize("N,K", [(576, 576), (37, 95), (19, 1100), (5, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_level_and_row_count(cpu_isa_level, dtype, N, K):
+    """1..17 rows at every ISA level this CPU has (the bf16 dot-product kernel from
+    avx512_bf16 up, the fp32 streaming kernel below and for fp32), against the reference, on
+    poisoned inputs (NaN past the rows, columns and weight rows the op may read) with a
+    strided bias. K = 1100 is long enough for the multi-pass kernels to split the columns."""
+    for M in range(1, 18):
+        x, w, b = _poisoned_inputs(M, N, K, dtype, seed=M * 31 + N + K)
+        assert x.stride(0) == K + 37 and b.stride(0) == 2 and w.is_contiguous()
+        check_op(dflash_ext.skinny_linear, reference.skinny_linear, x, w, b)
+        check_op(dflash_ext.skinny_linear, reference.skinny_linear, x, w, None)
+
+
+def test_stream_rows_by_level(cpu_isa_level):
+    """bf16 on bf16 units streams 1..16 rows whatever the weight (its dot-product kernel);
+    fp32, and bf16 below avx512_bf16, 1..8 rows where the GEMM rule says tiles."""
+    from dflash_ext import hardware
+    units = hardware.ISA_LEVELS.index(cpu_isa_level) >= hardware.ISA_LEVELS.index("avx512_bf16")
+    for rows in (1, 8, 9, 16, 17):
+        for weight_bytes in (1 << 10, 1 << 30):
+            bf16 = hardware.cpu_paths(torch.bfloat16, rows=rows, weight_bytes=weight_bytes)["skinny_linear"]
+            expected = rows <= 16 if units else rows <= 8
+            assert (bf16 == "stream") == expected, (rows, weight_bytes, bf16)
+        assert (hardware.cpu_paths(torch.float32, rows=rows)["skinny_linear"] == "stream") == (rows <= 8)
+
+
+def test_a_row_does_not_depend_on_its_call(cpu_isa_level):
+    """Each output row is summed in the same order whichever rows share the call: bit for bit
+    for 1..16 rows in bf16 on bf16 units, and for 1..4 rows on the fp32 streaming kernel
+    (what an exact verify that streams its linear layers relies on: docs/decoding.md).
+    Columns 0 and 16 carry +-2^18, which cancel only if summed before the rest: another
+    summation order moves most outputs by more than a bf16 step."""
+    from dflash_ext import hardware
+    units = hardware.ISA_LEVELS.index(cpu_isa_level) >= hardware.ISA_LEVELS.index("avx512_bf16")
+    cases = [(torch.float32, 4), (torch.bfloat16, 16 if units else 4)]
+    for dtype, rows in cases:
+        for N, K in [(53, 200), (40, 1100)]:
+            x, w, b = make_linear_inputs(rows, N, K, bias=True, dtype=dtype, seed=N + K + rows)
+            x[:, [0, 16]] = 1.0
+            w[:, 0], w[:, 16] = 2.0 ** 18, -2.0 ** 18
+            assert skinny_linear_streams(x, w)
+            alone = torch.cat([dflash_ext.skinny_linear(x[i:i + 1], w, b) for i in range(rows)])
+            for M in range(1, rows + 1):
+                assert torch.equal(dflash_ext.skinny_linear(x[:M], w, b), alone[:M]), (dtype, N, K, M)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,5 +193,9 @@ def test_stream_rule_matches_the_paths():
         x = torch.randn(rows, 32)
         path = hardware.cpu_paths(torch.float32, rows=rows, weight_bytes=w.numel() * 4)["skinny_linear"]
         assert skinny_linear_streams(x, w) == (path == "stream") == (rows <= 8)
+    for rows in (8, 16, 17):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        path = hardware.cpu_paths(torch.bfloat16, rows=rows, weight_bytes=w.numel() * 2)["skinny_linear"]
+        assert skinny_linear_streams(x, w.bfloat16()) == (path == "stream")
     assert not skinny_linear_streams(torch.randn(4, 32, dtype=torch.float64), w.double())
     assert not skinny_linear_streams(torch.randn(4, 0), torch.randn(16, 0))
