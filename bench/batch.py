@@ -9,8 +9,9 @@ The same prompts (--prompts of them, default 16) are decoded at each batch size 
 1 2 4 8 16) in consecutive batches of b: the work is the same at every b, only how it is
 batched changes. Per b: DFlash (``spec_generate`` over a list of prompts: decode/batch.py),
 the target alone through ``target_generate`` over the same batches (the same left padding
-and prefill), and transformers' ``generate`` with left padding (greedy, same stop tokens);
-the faster of the two is the baseline of the speedup. Every row of every run is compared
+and prefill), plain and (on the CPU) with its linear layers streamed through ``skinny_linear`` (as
+DFlash's verify), and transformers' ``generate`` with left padding (greedy, same stop
+tokens); the fastest of the three is the baseline of the speedup. Every row of every run is compared
 with the target's single-prompt greedy output (``rows_equal``: in float32 all of them must
 be; transformers' padded generate is reported, not required, as its padding changes the
 rounding). Each run is preceded by an untimed one over the first batch. A plot of the
@@ -68,8 +69,8 @@ def _run(name, run, chunks, singles) -> dict:
 
 def sweep(target, drafter, prompts, batches=BATCHES, max_new_tokens: int = 64, block_size=None,
           stop_token_ids=(), hf: bool = True, log=print) -> dict:
-    """The table: for each batch size, DFlash, target_generate and (`hf`) transformers'
-    generate over `prompts` (lists of ints) in consecutive batches of that size."""
+    """The table: for each batch size, DFlash, target_generate (plain and streamed) and (`hf`)
+    transformers' generate over `prompts` (lists of ints) in consecutive batches of that size."""
     from dflash_ext import spec_generate, target_generate
 
     stops = list(stop_token_ids)
@@ -77,6 +78,10 @@ def sweep(target, drafter, prompts, batches=BATCHES, max_new_tokens: int = 64, b
     runs = {"dflash": lambda c: spec_generate(target, drafter, c, max_new_tokens, block_size=block_size,
                                               stop_token_ids=stops),
             "alone": lambda c: target_generate(target, c, max_new_tokens, stop_token_ids=stops)}
+    if next(target.parameters()).device.type == "cpu":  # skinny_linear streams on the CPU only
+        # the target alone with its linear layers streamed, as DFlash's verify: the fastest at few rows
+        runs["streamed"] = lambda c: target_generate(target, c, max_new_tokens, stop_token_ids=stops,
+                                                     stream_linears=True)
     if hf:
         runs["hf"] = lambda c: hf_generate(target, c, max_new_tokens, stops)
     table = []
@@ -86,7 +91,7 @@ def sweep(target, drafter, prompts, batches=BATCHES, max_new_tokens: int = 64, b
         for name, run in runs.items():
             row[name] = _run(name, run, chunks, singles)
             log(f"batch {b}: {name} {row[name]}")
-        base = max((k for k in ("alone", "hf") if k in row), key=lambda k: row[k]["tokens_per_second"])
+        base = max((k for k in ("alone", "streamed", "hf") if k in row), key=lambda k: row[k]["tokens_per_second"])
         row["baseline"] = base
         row["speedup"] = row["dflash"]["tokens_per_second"] / row[base]["tokens_per_second"]
         table.append(row)
@@ -95,20 +100,24 @@ def sweep(target, drafter, prompts, batches=BATCHES, max_new_tokens: int = 64, b
 
 
 def check(result, exact: bool) -> list:
-    """The rows that differ from their single-prompt output (DFlash and target_generate;
+    """The rows that differ from their single-prompt output (DFlash and target_generate, plain and streamed;
     `exact`: float32, where none may)."""
     bad = [f"batch {r['batch']}: {k} {r[k]['rows'] - r[k]['rows_equal']} of {r[k]['rows']} rows differ"
-           for r in result["rows"] for k in ("dflash", "alone") if r[k]["rows_equal"] != r[k]["rows"]]
+           for r in result["rows"] for k in ("dflash", "alone", "streamed")
+           if k in r and r[k]["rows_equal"] != r[k]["rows"]]
     return bad if exact else []
 
 
 def report(result) -> str:
     flat = [dict(batch=r["batch"], dflash=r["dflash"]["tokens_per_second"], alone=r["alone"]["tokens_per_second"],
-                 hf=r.get("hf", {}).get("tokens_per_second"), baseline=r["baseline"], speedup=r["speedup"],
+                 streamed=r.get("streamed", {}).get("tokens_per_second"), hf=r.get("hf", {}).get("tokens_per_second"),
+                 baseline=r["baseline"], speedup=r["speedup"],
                  tau=r["dflash"]["tau"], ok=f"{r['dflash']['rows_equal']}/{r['dflash']['rows']}")
             for r in result["rows"]]
-    cols = [("batch", "batch", "{}"), ("dflash", "DFlash tok/s", "{:.1f}"), ("alone", "target_generate tok/s", "{:.1f}"),
-            ("hf", "HF generate tok/s", "{:.1f}"), ("baseline", "baseline", "{}"), ("speedup", "speedup", "{:.2f}x"),
+    cols = [("batch", "batch", "{}"), ("dflash", "DFlash tok/s", "{:.1f}"),
+            ("alone", "target_generate tok/s", "{:.1f}"),
+            ("streamed", "streamed target tok/s", "{:.1f}"), ("hf", "HF generate tok/s", "{:.1f}"),
+            ("baseline", "baseline", "{}"), ("speedup", "speedup", "{:.2f}x"),
             ("tau", "τ", "{:.2f}"), ("ok", "rows = single", "{}")]
     return _common.format_table(flat, cols, f"# {result['prompts']} prompts, {result['max_new_tokens']} new tokens "
                                             "each, in consecutive batches of each size (total tokens/s)")

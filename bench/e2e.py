@@ -482,7 +482,7 @@ def main(argv=None):
                     sharegpt_offset=(args.sharegpt_offset if args.sharegpt_offset is not None
                                      else _sharegpt_default_offset()), max_prompt_tokens=args.max_prompt_tokens,
                     seed=args.seed, quick=args.quick, load_average_at_start=busy, warmup=not args.no_warmup,
-                    dflash_linears="F.linear (--library-gemm)" if args.library_gemm else "skinny_linear on 1..8 rows",
+                    dflash_linears="F.linear (--library-gemm)" if args.library_gemm else "skinny_linear on few rows (1..16 in bf16 on bf16 units, else 1..8)",
                     elapsed_s=round(time.perf_counter() - t_start, 2))
 
         title = (f"DFlash vs target alone | target {target_name} | drafter {'UNTRAINED (fresh)' if fresh else drafter_name}"

@@ -13,7 +13,7 @@ greedy continuations of the target), this script measures
      every linear layer on one row at a time (M = 1) and attention one query at a time
      over its own prefix (so no reduction order depends on B);
   3. the same for the *streamed* verify the DFlash loop runs on the CPU (every linear
-     layer on 1..8 rows through ops.skinny_linear: dflash_ext.streamed_linears);
+     layer on few rows through ops.skinny_linear: dflash_ext.streamed_linears);
   4. the same for an *exact* verify: the streamed linear layers and attention one query at
      a time, against one-token decoding with its linear layers streamed too. skinny_linear
      takes each row's dot products in the same order for 1 to 4 rows (csrc/cpu/cpu_utils.h,
