@@ -136,7 +136,8 @@ def cmd_generate(args):
     best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
         choice = choose_block_size(model, drafter, len(ids), static_cache=args.static_cache,  # its graphs reused
-                                   static_cache_len=len(ids) + args.max_new_tokens + drafter.config.block_size)
+                                   static_cache_len=(len(ids) + args.max_new_tokens + drafter.config.block_size
+                                                     if args.static_cache else None))
         args.block_size = choice.block_size
         speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
         print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"

@@ -79,6 +79,9 @@ def choose_block_size(target, drafter, context_len: int,
     if bad:
         raise ValueError(f"candidates must be block sizes, ints >= 1, got {bad}")
     trained, timed_context = drafter.config.block_size, max(1, context_len)
+    if static_cache_len is not None and not static_cache:  # a size for a cache that is not made
+        raise ValueError(f"static_cache_len sizes the static cache: it needs static_cache=True, got "
+                         f"static_cache_len={static_cache_len!r} with static_cache={static_cache!r}")
     if static_cache_len is not None and (type(static_cache_len) is not int
                                          or static_cache_len < timed_context + trained):
         raise ValueError(f"static_cache_len must be an int >= the timed context and one trained block "

@@ -135,7 +135,7 @@ def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: i
     if block_size == "auto":
         block_size = choose_block_size(target, drafter, context_len, stream_linears=stream_linears,
                                        static_cache=static_cache,
-                                       static_cache_len=context_len + max_new_tokens + trained,
+                                       static_cache_len=context_len + max_new_tokens + trained if static_cache else None,
                                        batch_size=batch_size).block_size
     B = trained if block_size is None else block_size
     if type(B) is not int or B < 1:  # bool too: True is no block size

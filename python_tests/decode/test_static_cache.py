@@ -157,6 +157,8 @@ def test_choose_block_size_range_checks_its_static_cache_and_context():
     for bad in ((0, 2), (2, -1), (2.0,)):
         with pytest.raises(ValueError, match="candidates must be block sizes"):
             choose_block_size(target, drafter, 12, candidates=bad)
+    with pytest.raises(ValueError, match="static_cache_len sizes the static cache: it needs static_cache=True"):
+        choose_block_size(target, drafter, 12, static_cache_len=16)  # was silently ignored
     assert choose_block_size(target, drafter, 12, static_cache=True, static_cache_len=16).block_size in (1, 2, 3, 4)
 
 
