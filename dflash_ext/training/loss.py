@@ -1,7 +1,7 @@
 """The training loss of one sequence (:func:`sequence_loss`: weighted cross-entropy of its
 blocks, DFlash2's selector term), its parts (the frozen target's embedding and LM head, the
 label weights, the loss vocabulary) and the acceptance it implies (:func:`tau_of`)."""
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -174,3 +174,18 @@ def tau_of(correct: torch.Tensor) -> float:
     accepted prefix of each block (drafts right up to the first miss) plus the target's
     own token."""
     return 1 + torch.cumprod(correct.float(), -1).sum(-1).mean().item()
+
+
+def walked_acceptance(correct: torch.Tensor) -> List[int]:
+    """The drafts each step of the decoding loop accepts over one sequence, from its
+    correctness matrix [n, B-1] at every anchor (row p: the block anchored p tokens into the
+    response): a step at anchor p accepts its prefix k and the loop's next anchor is p + k + 1.
+    The loop drafts at those anchors only, where misses are more common than at an anchor
+    taken at random (a stretch of misses is walked token by token, an easy one skipped
+    through), so tokens per step fall below :func:`tau_of` over every anchor."""
+    accepted = torch.cumprod(correct.int(), -1).sum(-1).tolist()
+    steps, p = [], 0
+    while p < len(accepted):
+        steps.append(accepted[p])
+        p += accepted[p] + 1
+    return steps

@@ -39,7 +39,7 @@ from ..model.drafter import DFlashDrafter
 from ..ops.hardware import fastest_dtype
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_pass
 from .loss import (FrozenTargetParts, LossVocab, block_logits, drafted_tokens, label_weights, most_frequent_tokens,
-                   output_rows, sampled_acceptance, sequence_loss, tau_of)
+                   output_rows, sampled_acceptance, sequence_loss, tau_of, walked_acceptance)
 from .recipe import IGNORE, block_labels, default_gamma, sample_anchors
 from .train_config import EVAL_LOG, FRESH_LAYERS, STATE_NAME, TrainConfig, run_config, run_layer_ids
 
@@ -115,6 +115,8 @@ class HeldOut(NamedTuple):
     accept: List[float]        # per slot: the share of blocks whose first j drafts are all accepted
     tau_t1: Optional[float]    # the same, expected, under rejection sampling at temperature 1 (None: not measured)
     accept_t1: Optional[List[float]]
+    # tokens per step as the decoding loop walks the records (walked_acceptance; eval_stride 1 only)
+    tau_walked: Optional[float] = None
 
 
 @torch.no_grad()
@@ -124,11 +126,12 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
     position): greedy (tau, per-slot accepted-prefix rate) and, for a DFlash (v1) drafter with
     live features, the expectation of the same under rejection sampling at temperature 1
     (each slot accepted with probability sum_x min(p, q), teacher-forced:
-    :func:`~dflash_ext.training.loss.sampled_acceptance`)."""
+    :func:`~dflash_ext.training.loss.sampled_acceptance`). At eval_stride 1, also greedy tau
+    at the anchors the decoding loop would draft from (:func:`~dflash_ext.training.loss.walked_acceptance`)."""
     was_training = drafter.training
     drafter.eval()
     sampled = features.store is None and not drafter.config.is_dflash2
-    rows, rows_t1 = [], []
+    rows, rows_t1, walked = [], [], []
     for rec in records:
         ids = torch.tensor(rec["input_ids"][:cfg.max_len], device=device)
         anchors = torch.arange(rec["response_start"], ids.numel() - 1, cfg.eval_stride, device=device)
@@ -138,6 +141,8 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
             feats, final = features.with_final(rec, ids, final=sampled)
             out = block_logits(drafter, frozen, ids, feats, anchors, cfg.block_size, vocab)
             rows.append((drafted_tokens(drafter, out, vocab) == out.labels).cpu())
+            if cfg.eval_stride == 1:
+                walked += walked_acceptance(rows[-1])
             if sampled:
                 log_p = F.linear(final, frozen.lm_head.weight).float().log_softmax(-1)
                 if vocab is not None:
@@ -146,10 +151,11 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
     drafter.train(was_training)
     correct = torch.cat(rows)
     greedy = (tau_of(correct), torch.cumprod(correct.float(), -1).mean(0).tolist())
+    tau_walked = 1 + sum(walked) / len(walked) if walked else None
     if not sampled:
-        return HeldOut(*greedy, None, None)
+        return HeldOut(*greedy, None, None, tau_walked)
     alpha = torch.cat(rows_t1)
-    return HeldOut(*greedy, tau_of(alpha), torch.cumprod(alpha, -1).mean(0).tolist())
+    return HeldOut(*greedy, tau_of(alpha), torch.cumprod(alpha, -1).mean(0).tolist(), tau_walked)
 
 
 def trainable(record, max_len: int) -> bool:

@@ -2,6 +2,7 @@
 training forward with the inference draft step, overfitting end to end, and DDP."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext.model.masks import block_mask, context_mask
 from dflash_ext.testing.targets import tiny_family_target, tiny_target, tiny_target_config
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
-from dflash_ext.training.loss import FrozenTargetParts, sequence_loss, tau_of
+from dflash_ext.training.loss import FrozenTargetParts, sequence_loss, tau_of, walked_acceptance
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import _Features, _split_records, train
@@ -59,6 +60,17 @@ def test_slots_past_the_end_have_no_label():
 def test_tau_counts_the_accepted_prefix_plus_the_target_token():
     correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert tau_of(correct) == 1 + (2 + 0 + 4) / 3
+
+
+def test_the_walk_drafts_where_the_loop_would():
+    """Accepted prefixes 2, 3, 3, 0, 3, 0, 1 at anchors 0..6: the loop drafts at 0 (accepts 2),
+    then at 3 (0), then at 4 (3), then past the end: 5 tokens in 3 steps, where every anchor
+    says 12 / 7."""
+    correct = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 0, 0], [1, 0, 0]],
+                           dtype=torch.bool)
+    assert walked_acceptance(correct) == [2, 0, 3]
+    assert tau_of(correct) == pytest.approx(1 + 12 / 7)
+    assert walked_acceptance(correct[:0]) == []
 
 
 def test_loss_weights():
@@ -372,8 +384,11 @@ def test_training_step_and_heldout_eval_on_a_hybrid_target(tmp_path):
     assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [8] and 1 <= evals[0]["tau"] <= 4
-    tau, accept, _, _ = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
-    assert tau == pytest.approx(evals[0]["tau"], abs=0.02) and len(accept) == 3
+    held = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
+    assert held.tau == pytest.approx(evals[0]["tau"], abs=0.02) and len(held.accept) == 3
+    assert held.tau_walked is None  # measured at eval_stride 1 only
+    walked = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, replace(cfg, eval_stride=1))
+    assert walked.tau_walked is not None and 1 <= walked.tau_walked <= 4
 
 
 def test_added_layers_leave_the_drafts_unchanged_until_trained(tmp_path):
