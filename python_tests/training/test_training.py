@@ -12,7 +12,8 @@ from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext.model.masks import block_mask, context_mask
 from dflash_ext.testing.targets import tiny_family_target, tiny_target, tiny_target_config
 from dflash_ext.training.data import compute_features, generate_responses, greedy_batch, load_records, split_holdout, target_features
-from dflash_ext.training.loss import FrozenTargetParts, sequence_loss, tau_of, walked_acceptance
+from dflash_ext.training.loss import (FrozenTargetParts, block_logits, drafted_tokens, sequence_loss, tau_of,
+                                      walked_acceptance)
 from dflash_ext.training.recipe import IGNORE, block_labels, loss_weights, sample_anchors
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import _Features, _split_records, train
@@ -270,6 +271,33 @@ def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
         assert res.tokens == target_generate(target, p, 40).tokens
         taus.append(res.tau)
     assert sum(taus) / len(taus) > 3.0, taus  # B = 4: close to whole blocks
+
+
+def test_the_walk_accepts_what_the_decoding_loop_accepts(tmp_path):
+    """A partly trained drafter: every step of spec_generate (fp32, greedy) accepts exactly the
+    drafts walked_acceptance walks from the teacher-forced blocks of the sequence it made,
+    the training forward at every anchor of its response (where the budget allows)."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    prompts = _tiny_corpus(target, str(tmp_path / "data"))
+    cfg = TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "ckpt"), num_layers=2, block_size=4,
+                      anchors=64, lr=3e-3, epochs=12, batch_size=2, warmup=0.02, save_every=10 ** 9,
+                      log_every=10 ** 9, autocast="none")
+    train(cfg, target, log=lambda m: None)
+    drafter = DFlashDrafter.from_pretrained(cfg.out).float().eval()
+    frozen = FrozenTargetParts(target)
+    seen = set()
+    for p in prompts:
+        res = spec_generate(target, drafter, p, 40, block_size=4)
+        seq = torch.tensor(p + res.tokens)
+        with torch.no_grad():
+            feats = target_features(target, seq, drafter.config.target_layer_ids)
+            out = block_logits(drafter, frozen, seq, feats, torch.arange(len(p), seq.numel() - 1), 4)
+        walked = [k + 1 for k in walked_acceptance(drafted_tokens(drafter, out) == out.labels)]
+        last = len(res.acceptance_lengths) - 1  # the budget may cut the last step short
+        assert walked[:last] == res.acceptance_lengths[:last], (walked, res.acceptance_lengths)
+        seen |= set(res.acceptance_lengths)
+    assert len(seen) >= 3, seen  # partly trained: short and long steps both walked
 
 
 def _ddp_worker(rank, world, store, data, out):
