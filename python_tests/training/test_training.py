@@ -254,17 +254,22 @@ def _tiny_corpus(target, folder, n=6, prompt_len=6, new_tokens=40, layer_ids=(1,
     return prompts
 
 
-@pytest.mark.slow
-def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
+def _tiny_run(tmp_path, epochs: int):
+    """(target, prompts, the saved drafter) of a tiny B = 4 run over a tiny corpus: repeated
+    data, so `epochs` sets how far it overfits."""
     torch.manual_seed(0)
     target = tiny_target()
     prompts = _tiny_corpus(target, str(tmp_path / "data"))
     cfg = TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "ckpt"), num_layers=2, block_size=4,
-                      anchors=64, lr=3e-3, epochs=150, batch_size=2, warmup=0.02, save_every=10 ** 9,
+                      anchors=64, lr=3e-3, epochs=epochs, batch_size=2, warmup=0.02, save_every=10 ** 9,
                       log_every=10 ** 9, autocast="none")
-    drafter = train(cfg, target, log=lambda m: None)
-    drafter.eval()
-    loaded = DFlashDrafter.from_pretrained(cfg.out)  # the saved checkpoint is what decoding uses
+    train(cfg, target, log=lambda m: None)
+    return target, prompts, DFlashDrafter.from_pretrained(cfg.out)  # the saved checkpoint is what decoding uses
+
+
+@pytest.mark.slow
+def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
+    target, prompts, loaded = _tiny_run(tmp_path, epochs=150)
     taus = []
     for p in prompts:
         res = spec_generate(target, loaded, p, 40)
@@ -277,14 +282,8 @@ def test_the_walk_accepts_what_the_decoding_loop_accepts(tmp_path):
     """A partly trained drafter: every step of spec_generate (fp32, greedy) accepts exactly the
     drafts walked_acceptance walks from the teacher-forced blocks of the sequence it made,
     the training forward at every anchor of its response (where the budget allows)."""
-    torch.manual_seed(0)
-    target = tiny_target()
-    prompts = _tiny_corpus(target, str(tmp_path / "data"))
-    cfg = TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "ckpt"), num_layers=2, block_size=4,
-                      anchors=64, lr=3e-3, epochs=12, batch_size=2, warmup=0.02, save_every=10 ** 9,
-                      log_every=10 ** 9, autocast="none")
-    train(cfg, target, log=lambda m: None)
-    drafter = DFlashDrafter.from_pretrained(cfg.out).float().eval()
+    target, prompts, drafter = _tiny_run(tmp_path, epochs=12)
+    drafter = drafter.float().eval()
     frozen = FrozenTargetParts(target)
     seen = set()
     for p in prompts:
