@@ -328,6 +328,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
         eval_lines.append(json.dumps({"step": step, "slot_tokens": seen_slots, **held._asdict()}) + "\n")
         log(f"[eval] step {step} slot-tokens {seen_slots} held-out tau {held.tau:.3f}"
             + (f", at T=1 by rejection sampling {held.tau_t1:.3f}" if held.tau_t1 is not None else "")
+            + (f", as the loop walks {held.tau_walked:.3f}" if held.tau_walked is not None else "")
             + f" ({time.time() - t:.0f}s)")
 
     t0, window_slots, window_loss, window_steps = time.time(), 0, 0.0, 0

@@ -355,13 +355,14 @@ def test_bf16_training_with_target_init_and_heldout_tau(tmp_path):
             os.remove(os.path.join(data, f))
     cfg = TrainConfig(data=data, out=str(tmp_path / "ckpt"), num_layers=2, block_size=4, anchors=16, epochs=2,
                       batch_size=2, holdout=2, eval_every=2, save_every=2, log_every=1, autocast="bf16",
-                      init="target", layer_ids=[1, 3, 4], max_steps=3, loss_vocab=40)
+                      init="target", layer_ids=[1, 3, 4], max_steps=3, loss_vocab=40, eval_stride=1)
     logs = []
     train(cfg, target, log=logs.append)
     assert next(target.parameters()).dtype == torch.float32
     assert any("features live" in m and "bf16 autocast on" in m for m in logs)
     evals = [json.loads(l) for l in open(tmp_path / "ckpt" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [2, 3] and all(1 <= e["tau"] <= 4 for e in evals)
+    assert all(1 <= e["tau_walked"] <= 4 for e in evals) and any("as the loop walks" in m for m in logs)
     assert all(1 <= e["tau_t1"] <= 4 and len(e["accept_t1"]) == 3 for e in evals)  # live features: measured
     assert evals[1]["slot_tokens"] > evals[0]["slot_tokens"] > 0
     from dflash_ext.training.trainer import evaluate_drafter
