@@ -124,8 +124,10 @@ def cmd_generate(args):
                 "pass --drafter DIR for a trained one)")
     print(f"[dflash_ext] target: {args.target or 'SmolLM2-135M-Instruct (embedded default)'}; {note}",
           file=sys.stderr)
+    # the static cache's rows: the prompt, the budget and one trained block of drafts
+    cache_rows = len(ids) + args.max_new_tokens + drafter.config.block_size if args.static_cache else None
     if args.static_cache:  # a target whose static cache cannot be rolled back is refused before decoding
-        _check_static_cache(model, len(ids) + args.max_new_tokens + drafter.config.block_size)
+        _check_static_cache(model, cache_rows)
     stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
     if many:
         if args.static_cache:
@@ -136,8 +138,7 @@ def cmd_generate(args):
     best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
         choice = choose_block_size(model, drafter, len(ids), static_cache=args.static_cache,  # its graphs reused
-                                   static_cache_len=(len(ids) + args.max_new_tokens + drafter.config.block_size
-                                                     if args.static_cache else None))
+                                   static_cache_len=cache_rows)
         args.block_size = choice.block_size
         speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
         print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"
