@@ -27,10 +27,10 @@ import os
 import random
 import sysconfig
 import textwrap
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 __all__ = ["load_prompts", "iter_sharegpt_first_turns", "iter_sharegpt_human_turns", "training_prompts",
-           "PROMPT_SETS", "TRAINING_SOURCES"]
+           "sharegpt_later_turn_records", "PROMPT_SETS", "TRAINING_SOURCES"]
 
 PROMPT_SETS = ("sharegpt", "humaneval", "mtbench")
 SHAREGPT_EVAL_OFFSET = 10_000  # held-out ShareGPT first turns (of ~11k in the file) start here
@@ -124,13 +124,23 @@ def load_prompts(name: str, n: int, offset: int = None) -> List[str]:
     raise ValueError(f"unknown prompt set {name!r}; choose from {PROMPT_SETS}")
 
 
-def _sharegpt_later_turns(min_chars: int = 64) -> List[str]:
-    out = []
+def _later_turns(min_chars: int = 64) -> Iterator[Tuple[int, str]]:
+    """(ShareGPT record, turn): the later turns of the training-range records, in order."""
     for i, turns in enumerate(iter_sharegpt_human_turns()):
         if i >= SHAREGPT_EVAL_OFFSET:
             break
-        out.extend(t for t in turns[1:] if len(t.strip()) >= min_chars)
-    return out
+        yield from ((i, t) for t in turns[1:] if len(t.strip()) >= min_chars)
+
+
+def _sharegpt_later_turns() -> List[str]:
+    return [t for _, t in _later_turns()]
+
+
+def sharegpt_later_turn_records() -> List[int]:
+    """The ShareGPT record each ``sharegpt-later-turns`` prompt comes from (prompt i: entry
+    i): a later turn of a conversation whose first turn is held out would leak it into
+    training (datasets/README.md filters those out)."""
+    return [i for i, _ in _later_turns()]
 
 
 _SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",

@@ -4,7 +4,8 @@ import ast
 import pytest
 
 from dflash_ext.prompts import (CODE_INSTRUCTION, SHAREGPT_EVAL_OFFSET, TRAINING_SOURCES, iter_sharegpt_first_turns,
-                                iter_sharegpt_human_turns, load_prompts, training_prompts)
+                                iter_sharegpt_human_turns, load_prompts, sharegpt_later_turn_records,
+                                training_prompts)
 
 
 def test_stdlib_code_stubs_parse_and_keep_their_order():
@@ -33,6 +34,10 @@ def test_sharegpt_sources_stop_before_the_evaluation_records():
     assert len(train_first) == SHAREGPT_EVAL_OFFSET and len(later) > 5000
     assert all(len(t.strip()) >= 64 for t in later)
     assert not set(first) & (set(later) | set(train_first))
+    records = sharegpt_later_turn_records()  # prompt i's ShareGPT record, in order
+    convs = [t for _, t in zip(range(SHAREGPT_EVAL_OFFSET), iter_sharegpt_human_turns())]
+    assert len(records) == len(later) and records == sorted(records)
+    assert all(later[k] in convs[records[k]][1:] for k in range(len(later)))
     assert [t[0] for _, t in zip(range(20), iter_sharegpt_human_turns())] == \
         [p for _, p in zip(range(20), iter_sharegpt_first_turns())]
 
