@@ -135,6 +135,10 @@ def main(argv=None):
                    help="the run's --extra-data folders: held-out records with one of their prompts are left out")
     v.add_argument("--eval-stride", type=positive_int, default=None,
                    help="held-out anchors every N response positions (default: train's, so both measure one tau)")
+    v.add_argument("--save-acceptance", action="store_true",
+                   help="write what was measured into --drafter's acceptance.json (its other files stay), which "
+                        "--block-size auto reads: the profile and the tokens per step as the loop walks at each "
+                        "verify B (needs --eval-stride 1)")
     v.add_argument("--threads", type=positive_int, default=2)
     e = sub.add_parser("export", help="copy a drafter checkpoint (e.g. a training folder) in another dtype")
     e.add_argument("--src", type=drafter_folder, required=True)

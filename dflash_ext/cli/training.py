@@ -176,12 +176,16 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
+    from ..model.checkpoint import ACCEPTANCE_NAME, write_acceptance
     from ..model.drafter import DFlashDrafter
     from ..model.pretrained import load_target
     from ..training.data import drop_trained_prompts, split_holdout
     from ..training.train_config import TrainConfig
     from ..training.trainer import evaluate_drafter
 
+    if args.save_acceptance and args.eval_stride != 1:  # a profile without the walk would drop a saved walk
+        raise UsageError(f"argument --save-acceptance: the loop's walk is measured at --eval-stride 1 only, got "
+                         f"--eval-stride {args.eval_stride}")
     torch.set_num_threads(args.threads)
     _, heldout = split_holdout(data_records("--data", args.data), args.holdout)
     for folder in args.extra_data or []:
@@ -198,6 +202,9 @@ def cmd_eval(args):
     held = evaluate_drafter(drafter, target, cfg)
     print(json.dumps({"drafter": args.drafter, "data": args.data, "extra_data": args.extra_data,
                       "holdout": args.holdout, "eval_stride": cfg.eval_stride, **held._asdict()}))
+    if args.save_acceptance:
+        write_acceptance(args.drafter, held.accept, held.walked_tau)
+        print(f"[dflash_ext] wrote {os.path.join(args.drafter, ACCEPTANCE_NAME)}", file=sys.stderr)
 
 
 def cmd_export(args):

@@ -25,7 +25,7 @@ __all__ = ["median_seconds", "BlockSizeChoice", "choose_block_size", "time_targe
 @dataclass
 class BlockSizeChoice:
     block_size: int
-    expected_tokens: dict     # B -> expected tokens per step (1 + sum of the accepted-prefix profile; x rows)
+    expected_tokens: dict     # B -> expected tokens per step (walked tau, or 1 + sum of the profile; x rows)
     step_seconds: dict        # B -> measured draft + verify seconds of one step
     tokens_per_second: dict   # B -> expected_tokens / step_seconds
     profile_source: str
@@ -51,7 +51,8 @@ def choose_block_size(target, drafter, context_len: int,
     """The verify block size B (<= the drafter's trained block) that maximises expected
     tokens per second on this machine:
 
-        E(B) = 1 + sum_{j<B} P(the first j drafts are all accepted)   (the drafter's profile)
+        E(B) = the drafter's held-out tokens per step as the loop walks at verify B (walked_tau),
+               else 1 + sum_{j<B} P(the first j drafts are all accepted)   (its profile)
         c(B) = draft step (the whole trained block, the LM head on B - 1 slots) + target pass over B tokens
         B*   = argmax_B E(B) / c(B)
 
@@ -59,7 +60,10 @@ def choose_block_size(target, drafter, context_len: int,
     :func:`~.loop.spec_generate` then runs it): chosen where drafting does not pay.
 
     The profile is ``drafter.acceptance_profile`` (held-out, written next to the checkpoint
-    by training); without one nothing is timed and the trained block size is kept. c(B)
+    by training); without one nothing is timed and the trained block size is kept. Where the
+    checkpoint also has ``walked_tau`` (``eval --eval-stride 1 --save-acceptance``), E(B) is
+    that: the loop drafts where its last step ended, after a miss more often than an anchor
+    taken at random, so the profile over every anchor overstates E(B), the more the larger B. c(B)
     is timed here, at `context_len` tokens of context (median of 5), with the linear layers
     and the cache as :func:`~.loop.spec_generate` runs them (`stream_linears`, `static_cache`: a
     static cache of `static_cache_len` rows, default the context and the trained block; the
@@ -118,14 +122,18 @@ def choose_block_size(target, drafter, context_len: int,
             rollback(n)
 
         warmup = 3 if runner.compiles else 0
+        walked = getattr(drafter, "walked_tau", None)
         expected, seconds, speed = {}, {}, {}
         for b in sizes:
-            expected[b] = batch_size * (1 + sum(profile[:b - 1]))
+            tau = 1 + sum(profile[:b - 1]) if walked is None or b == 1 else walked[b - 2]
+            expected[b] = batch_size * tau
             draft_s = median_seconds(lambda: draft(b)) if b > 1 else 0.0
             seconds[b] = draft_s + median_seconds(lambda: verify(b), warmup=warmup)
             speed[b] = expected[b] / seconds[b]
         best = max(sizes, key=lambda b: speed[b])
-        return BlockSizeChoice(best, expected, seconds, speed, "the drafter's held-out acceptance profile")
+        source = "the drafter's held-out acceptance profile" if walked is None else \
+            "the drafter's held-out tokens per step as the loop walks"
+        return BlockSizeChoice(best, expected, seconds, speed, source)
 
 
 @torch.no_grad()

@@ -35,8 +35,9 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 # Optional, beside the reference files (the authors' loader ignores it): the held-out
-# accepted-prefix profile {"accept": [P(first j drafts accepted) for j = 1..B-1], "tau": ...}
-# that block_size="auto" reads.
+# accepted-prefix profile {"accept": [P(first j drafts accepted) for j = 1..B-1]} and, where
+# measured, "walked_tau": [tokens per step as the decoding loop walks, at verify B = 2..B]:
+# what block_size="auto" reads.
 ACCEPTANCE_NAME = "acceptance.json"
 # Optional draft vocabulary (EAGLE-3's reduced draft vocabulary): with
 # dflash_config.draft_vocab_size = K in config.json, this file beside it holds
@@ -53,6 +54,7 @@ class Checkpoint:
     state: Dict[str, torch.Tensor]
     acceptance_profile: Optional[List[float]] = None
     draft_vocab: Optional[List[int]] = None
+    walked_tau: Optional[List[float]] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,12 +80,7 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
     ckpt = Checkpoint(path, config, _read_weights(path))
     acc_path = os.path.join(path, ACCEPTANCE_NAME)
     if os.path.exists(acc_path):
-        profile = _json_field(acc_path, "accept")
-        if type(profile) is not list or len(profile) != config.block_size - 1 \
-                or not all(type(p) in (int, float) and 0 <= p <= 1 for p in profile):
-            raise ValueError(f"{acc_path}: 'accept' must hold block_size - 1 = {config.block_size - 1} "
-                             f"probabilities, got {profile!r}")
-        ckpt.acceptance_profile = [float(p) for p in profile]
+        ckpt.acceptance_profile, ckpt.walked_tau = _read_acceptance(acc_path, config.block_size)
     vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
     if config.draft_vocab_size is not None:
         if not os.path.exists(vocab_path):
@@ -100,6 +97,45 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
     return ckpt
 
 
+def _read_acceptance(path: str, block_size: int) -> Tuple[List[float], Optional[List[float]]]:
+    """(accepted-prefix profile, walked tau per verify B or None) of an acceptance.json, each
+    checked against the drafter's block size."""
+    d = _json_object(path, "accept")
+    profile, walked = d["accept"], d.get("walked_tau")
+    if type(profile) is not list or len(profile) != block_size - 1 \
+            or not all(type(p) in (int, float) and 0 <= p <= 1 for p in profile):
+        raise ValueError(f"{path}: 'accept' must hold block_size - 1 = {block_size - 1} probabilities, got {profile!r}")
+    if walked is not None and (type(walked) is not list or len(walked) != block_size - 1 or not all(
+            type(t) in (int, float) and 1 <= t <= b for b, t in enumerate(walked, 2))):
+        raise ValueError(f"{path}: 'walked_tau' must hold block_size - 1 = {block_size - 1} tokens per step, at "
+                         f"verify B = 2..{block_size}, each in [1, B], got {walked!r}")
+    return [float(p) for p in profile], None if walked is None else [float(t) for t in walked]
+
+
+def acceptance_json(profile: List[float], walked_tau: Optional[List[float]] = None) -> bytes:
+    """The contents of acceptance.json (:data:`ACCEPTANCE_NAME`)."""
+    return json.dumps({"accept": profile, **({} if walked_tau is None else {"walked_tau": walked_tau})}).encode()
+
+
+def write_acceptance(path: str, profile: List[float], walked_tau: Optional[List[float]] = None) -> None:
+    """Replace the acceptance.json of the local checkpoint folder `path` alone (its weights and
+    other files stay): checked against its config as a load checks it, then swapped in whole."""
+    config_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path} is not a local drafter checkpoint folder: it has no {CONFIG_NAME}")
+    block_size = DFlashConfig.from_json_dict(_read_json(config_path), source=config_path).block_size
+    final = os.path.join(path, ACCEPTANCE_NAME)
+    tmp = f"{final}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(acceptance_json(profile, walked_tau))
+        _read_acceptance(tmp, block_size)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def _read_json(path: str):
     """A JSON file's contents; a file that is not JSON is an error naming it."""
     try:
@@ -109,12 +145,17 @@ def _read_json(path: str):
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def _json_field(path: str, key: str):
-    """`key` of the JSON object in `path`; its absence is an error naming both."""
+def _json_object(path: str, key: str) -> dict:
+    """The JSON object in `path`, which must hold `key`: its absence is an error naming both."""
     d = _read_json(path)
     if type(d) is not dict or key not in d:
         raise ValueError(f"{path} must hold a JSON object with '{key}', got {str(d)[:80]}")
-    return d[key]
+    return d
+
+
+def _json_field(path: str, key: str):
+    """`key` of the JSON object in `path` (:func:`_json_object`)."""
+    return _json_object(path, key)[key]
 
 
 def _weight_files(path: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
@@ -181,11 +222,12 @@ def check_weights(state: Dict[str, torch.Tensor], where: str) -> None:
 
 def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Tensor],
                      acceptance_profile: Optional[List[float]] = None,
-                     draft_vocab: Optional[List[int]] = None, *,
+                     draft_vocab: Optional[List[int]] = None, *, walked_tau: Optional[List[float]] = None,
                      extra_files: Optional[Dict[str, Union[bytes, Callable[[str], None]]]] = None,
                      overwrite: bool = False) -> None:
     """Write the reference format (`state`: CPU tensors, contiguous, in the dtype to store),
-    our optional files and `extra_files` (name -> bytes, or a callable that writes the file
+    our optional files (`walked_tau` goes into acceptance.json beside the profile, so it needs
+    one) and `extra_files` (name -> bytes, or a callable that writes the file
     at the path it is given) as one folder that replaces `path` atomically: a crash at any
     moment leaves the old folder or the new one, never a mix, and files of the old folder
     this save does not write (a stale acceptance.json or draft_vocab.json) are gone.
@@ -200,6 +242,8 @@ def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Ten
     if not overwrite:
         _refuse_foreign_folder(path, set(extra_files))
     # What a load would refuse is refused before anything is written: the old folder stays.
+    if walked_tau is not None and acceptance_profile is None:
+        raise ValueError("walked_tau is written into acceptance.json beside the acceptance profile: it needs one")
     check_weights(state, f"refusing to save the drafter checkpoint {path}")
     d = config.to_json_dict()
     try:
@@ -212,7 +256,7 @@ def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Ten
         WEIGHTS_NAME: lambda p: save_file(state, p, metadata={"format": "pt"}),
     }
     if acceptance_profile is not None:
-        files[ACCEPTANCE_NAME] = json.dumps({"accept": acceptance_profile}).encode()
+        files[ACCEPTANCE_NAME] = acceptance_json(acceptance_profile, walked_tau)
     if draft_vocab is not None:
         files[DRAFT_VOCAB_NAME] = json.dumps({"token_ids": draft_vocab}).encode()
     files.update(extra_files)

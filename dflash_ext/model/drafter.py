@@ -33,8 +33,9 @@ __all__ = ["DFlashDrafter"]
 class DFlashDrafter(nn.Module):
     """The drafter's weights (``layers``, ``fc``, ``hidden_norm``, ``norm``; DFlash2's
     ``candidate_selector``), its ``config``, the optional ``draft_vocab`` (sorted target token
-    ids the LM head is restricted to) and ``acceptance_profile`` (the held-out accepted-prefix
-    profile training writes), and the training forward."""
+    ids the LM head is restricted to), ``acceptance_profile`` (the held-out accepted-prefix
+    profile training writes) and ``walked_tau`` (where measured: held-out tokens per step as the
+    decoding loop walks, at verify B = 2..block_size), and the training forward."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -47,6 +48,7 @@ class DFlashDrafter(nn.Module):
         if c.is_dflash2:
             self.candidate_selector = CandidateSelector(c)
         self.acceptance_profile: Optional[List[float]] = None
+        self.walked_tau: Optional[List[float]] = None
         self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU): checkpoint.DRAFT_VOCAB_NAME
 
     # ------------------------------------------------------------------ construction
@@ -87,7 +89,7 @@ class DFlashDrafter(nn.Module):
         missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
         assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
         new.draft_vocab = drafter.draft_vocab
-        new.acceptance_profile = drafter.acceptance_profile
+        new.acceptance_profile, new.walked_tau = drafter.acceptance_profile, drafter.walked_tau
         return new
 
     @classmethod
@@ -108,7 +110,7 @@ class DFlashDrafter(nn.Module):
                 drafter.set_draft_vocab(ckpt.draft_vocab)
             except ValueError as e:
                 raise ValueError(f"{os.path.join(ckpt.path, DRAFT_VOCAB_NAME)}: {e}") from e
-        drafter.acceptance_profile = ckpt.acceptance_profile
+        drafter.acceptance_profile, drafter.walked_tau = ckpt.acceptance_profile, ckpt.walked_tau
         return drafter.to(device=device, dtype=torch_dtype(dtype) or ckpt.dtype)
 
     def load_reference_state_dict(self, state: dict) -> None:
@@ -135,7 +137,7 @@ class DFlashDrafter(nn.Module):
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         write_checkpoint(path, self.config, state, self.acceptance_profile,
                          None if self.draft_vocab is None else self.draft_vocab.tolist(),
-                         extra_files=extra_files, overwrite=overwrite)
+                         walked_tau=self.walked_tau, extra_files=extra_files, overwrite=overwrite)
 
     def set_draft_vocab(self, token_ids) -> None:
         """Draft only these target tokens (sorted, unique, in range), or all of them (None)."""

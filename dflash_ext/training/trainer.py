@@ -117,6 +117,7 @@ class HeldOut(NamedTuple):
     accept_t1: Optional[List[float]]
     # tokens per step as the decoding loop walks the records (walked_acceptance; eval_stride 1 only)
     tau_walked: Optional[float] = None
+    walked_tau: Optional[List[float]] = None  # the same at verify B = 2..block_size (the last is tau_walked)
 
 
 @torch.no_grad()
@@ -127,11 +128,14 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
     live features, the expectation of the same under rejection sampling at temperature 1
     (each slot accepted with probability sum_x min(p, q), teacher-forced:
     :func:`~dflash_ext.training.loss.sampled_acceptance`). At eval_stride 1, also greedy tau
-    at the anchors the decoding loop would draft from (:func:`~dflash_ext.training.loss.walked_acceptance`)."""
+    at the anchors the decoding loop would draft from (:func:`~dflash_ext.training.loss.walked_acceptance`),
+    at each verify B = 2..block_size (the loop at a smaller B verifies the first B - 1 drafts of
+    the same block, and so walks other anchors)."""
     was_training = drafter.training
     drafter.eval()
     sampled = features.store is None and not drafter.config.is_dflash2
-    rows, rows_t1, walked = [], [], []
+    rows, rows_t1 = [], []
+    walked = {b: [] for b in range(2, cfg.block_size + 1)}
     for rec in records:
         ids = torch.tensor(rec["input_ids"][:cfg.max_len], device=device)
         anchors = torch.arange(rec["response_start"], ids.numel() - 1, cfg.eval_stride, device=device)
@@ -142,7 +146,8 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
             out = block_logits(drafter, frozen, ids, feats, anchors, cfg.block_size, vocab)
             rows.append((drafted_tokens(drafter, out, vocab) == out.labels).cpu())
             if cfg.eval_stride == 1:
-                walked += walked_acceptance(rows[-1])
+                for b, steps in walked.items():
+                    steps += walked_acceptance(rows[-1][:, :b - 1])
             if sampled:
                 log_p = F.linear(final, frozen.lm_head.weight).float().log_softmax(-1)
                 if vocab is not None:
@@ -151,11 +156,12 @@ def heldout_tau(drafter, frozen, records, features, cfg: TrainConfig, device, ga
     drafter.train(was_training)
     correct = torch.cat(rows)
     greedy = (tau_of(correct), torch.cumprod(correct.float(), -1).mean(0).tolist())
-    tau_walked = 1 + sum(walked) / len(walked) if walked else None
+    walked_tau = [1 + sum(steps) / len(steps) for steps in walked.values()] if cfg.eval_stride == 1 else None
+    walks = (walked_tau[-1], walked_tau) if walked_tau else (None, None)
     if not sampled:
-        return HeldOut(*greedy, None, None, tau_walked)
+        return HeldOut(*greedy, None, None, *walks)
     alpha = torch.cat(rows_t1)
-    return HeldOut(*greedy, tau_of(alpha), torch.cumprod(alpha, -1).mean(0).tolist(), tau_walked)
+    return HeldOut(*greedy, tau_of(alpha), torch.cumprod(alpha, -1).mean(0).tolist(), *walks)
 
 
 def trainable(record, max_len: int) -> bool:
@@ -260,7 +266,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
             if drafter.config.block_size != cfg.block_size:
                 dataclasses.replace(drafter.config, block_size=cfg.block_size)  # the config's own checks
                 drafter.config.block_size = cfg.block_size  # in place: the layers share the object
-                drafter.acceptance_profile = None  # measured at the old B; the first eval remeasures it
+                drafter.acceptance_profile = drafter.walked_tau = None  # measured at the old B; the first eval remeasures it
         elif cfg.init != "random":
             raise ValueError(f"init must be random, target or a drafter folder, got {cfg.init!r}")
         if cfg.dflash2 and not drafter.config.is_dflash2:  # drafts exactly as the v1 drafter at step 0
@@ -324,7 +330,8 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
             return
         t = time.time()
         held = heldout_tau(drafter, frozen, heldout, features, cfg, device, gamma, use_autocast, vocab)
-        drafter.acceptance_profile = held.accept  # saved beside the checkpoint: block_size="auto" reads it
+        # saved beside the checkpoint: block_size="auto" reads them (walked_tau: None but at eval_stride 1)
+        drafter.acceptance_profile, drafter.walked_tau = held.accept, held.walked_tau
         eval_lines.append(json.dumps({"step": step, "slot_tokens": seen_slots, **held._asdict()}) + "\n")
         log(f"[eval] step {step} slot-tokens {seen_slots} held-out tau {held.tau:.3f}"
             + (f", at T=1 by rejection sampling {held.tau_t1:.3f}" if held.tau_t1 is not None else "")

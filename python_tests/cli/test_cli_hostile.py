@@ -217,6 +217,11 @@ def test_eval_and_train_measure_tau_at_the_same_stride_by_default(tmp_path, targ
     main(["eval", "--data", data, "--drafter", cfg.out, "--target", target_dir, "--holdout", "2"])
     report = json.loads(capsys.readouterr().out)
     assert report["eval_stride"] == TrainConfig.eval_stride and report["tau"] == pytest.approx(logged, abs=1e-6)
+    main(["eval", "--data", data, "--drafter", cfg.out, "--target", target_dir, "--holdout", "2", "--eval-stride", "1",
+          "--save-acceptance"])  # what block_size="auto" reads, written beside the weights
+    report = json.loads(capsys.readouterr().out)
+    saved = DFlashDrafter.from_pretrained(cfg.out)
+    assert saved.walked_tau == report["walked_tau"] and saved.acceptance_profile == report["accept"]
 
 
 def test_a_two_layer_target_gets_target_layers_inside_it(tmp_path, monkeypatch, capsys):

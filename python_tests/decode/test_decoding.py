@@ -167,6 +167,12 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     assert choose_block_size(target, drafter, 12).block_size == 1
     drafter.acceptance_profile = [0.95 ** j for j in range(1, 8)]  # with flat costs: the longest block
     assert choose_block_size(target, drafter, 12).block_size == 8
+    # The loop's walk, where measured, is E(B): here it gains nothing past B = 3 (flat costs: B = 3 wins)
+    drafter.walked_tau = [1.5, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5]
+    walked = choose_block_size(target, drafter, 12)
+    assert walked.expected_tokens == {1: 1, 2: 1.5, 3: 2.5, 4: 2.5, 6: 2.5, 8: 2.5} and walked.block_size == 3
+    assert "as the loop walks" in walked.profile_source
+    drafter.walked_tau = None
     monkeypatch.undo()
     calls = []
     real_call = TargetRunner.__call__

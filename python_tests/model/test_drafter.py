@@ -1,5 +1,6 @@
 """DFlashDrafter: config and checkpoint format, cache, fused vs reference draft step."""
 import json
+import os
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from safetensors.torch import save_file
 
 from dflash_ext import DFlashConfig, DFlashDrafter
 from dflash_ext.draft.runtime import DraftRuntime
+from dflash_ext.model.checkpoint import write_acceptance
 from dflash_ext.model.config import default_target_layer_ids
 from dflash_ext.testing.targets import tiny_target_config
 
@@ -164,6 +166,31 @@ def test_acceptance_profile_travels_with_the_checkpoint(tmp_path):
     (tmp_path / "acceptance.json").write_text(json.dumps({"accept": [0.5, 1.5]}))
     with pytest.raises(ValueError, match="block_size - 1 = 3"):
         DFlashDrafter.from_pretrained(str(tmp_path))
+
+
+def test_the_walked_tau_travels_with_the_profile_and_alone(tmp_path):
+    """walked_tau (eval --save-acceptance) is saved and loaded beside the profile, also into an
+    existing folder whose weights stay (write_acceptance), and never without a profile."""
+    d = DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=4)
+    d.acceptance_profile, d.walked_tau = [0.5, 0.25, 0.1], [1.4, 1.55, 1.6]
+    d.save_pretrained(tmp_path)
+    loaded = DFlashDrafter.from_pretrained(str(tmp_path))
+    assert (loaded.acceptance_profile, loaded.walked_tau) == ([0.5, 0.25, 0.1], [1.4, 1.55, 1.6])
+    (tmp_path / "README.md").write_text("model card")
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    write_acceptance(str(tmp_path), [0.4, 0.2, 0.05], [1.3, 1.4, 1.45])
+    loaded = DFlashDrafter.from_pretrained(str(tmp_path))
+    assert (loaded.acceptance_profile, loaded.walked_tau) == ([0.4, 0.2, 0.05], [1.3, 1.4, 1.45])
+    assert (tmp_path / "model.safetensors").read_bytes() == weights and (tmp_path / "README.md").exists()
+    with pytest.raises(ValueError, match="'walked_tau' must hold block_size - 1 = 3"):
+        write_acceptance(str(tmp_path), [0.4, 0.2, 0.05], [1.3, 1.4])  # checked before it replaces the file
+    assert DFlashDrafter.from_pretrained(str(tmp_path)).walked_tau == [1.3, 1.4, 1.45]
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "acceptance.json", "config.json", "model.safetensors"]
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        write_acceptance(str(tmp_path / "nowhere"), [0.4, 0.2, 0.05])
+    d.acceptance_profile = None
+    with pytest.raises(ValueError, match="walked_tau .* needs one"):
+        d.save_pretrained(tmp_path / "other")
 
 
 def _hub_cache(root, repo_id, drafter):

@@ -281,22 +281,26 @@ def test_tiny_drafter_overfits_until_whole_blocks_are_accepted(tmp_path):
 def test_the_walk_accepts_what_the_decoding_loop_accepts(tmp_path):
     """A partly trained drafter: every step of spec_generate (fp32, greedy) accepts exactly the
     drafts walked_acceptance walks from the teacher-forced blocks of the sequence it made,
-    the training forward at every anchor of its response (where the budget allows)."""
+    the training forward at every anchor of its response (where the budget allows); at a
+    verify B below the trained block, from the blocks' first B - 1 slots (heldout_tau's walk
+    at each B, which block_size="auto" reads)."""
     target, prompts, drafter = _tiny_run(tmp_path, epochs=12)
     drafter = drafter.float().eval()
     frozen = FrozenTargetParts(target)
-    seen = set()
-    for p in prompts:
-        res = spec_generate(target, drafter, p, 40, block_size=4)
-        seq = torch.tensor(p + res.tokens)
-        with torch.no_grad():
-            feats = target_features(target, seq, drafter.config.target_layer_ids)
-            out = block_logits(drafter, frozen, seq, feats, torch.arange(len(p), seq.numel() - 1), 4)
-        walked = [k + 1 for k in walked_acceptance(drafted_tokens(drafter, out) == out.labels)]
-        last = len(res.acceptance_lengths) - 1  # the budget may cut the last step short
-        assert walked[:last] == res.acceptance_lengths[:last], (walked, res.acceptance_lengths)
-        seen |= set(res.acceptance_lengths)
-    assert len(seen) >= 3, seen  # partly trained: short and long steps both walked
+    seen = {2: set(), 4: set()}
+    for B in seen:
+        for p in prompts:
+            res = spec_generate(target, drafter, p, 40, block_size=B)
+            seq = torch.tensor(p + res.tokens)
+            with torch.no_grad():
+                feats = target_features(target, seq, drafter.config.target_layer_ids)
+                out = block_logits(drafter, frozen, seq, feats, torch.arange(len(p), seq.numel() - 1), 4)
+            correct = drafted_tokens(drafter, out) == out.labels
+            walked = [k + 1 for k in walked_acceptance(correct[:, :B - 1])]
+            last = len(res.acceptance_lengths) - 1  # the budget may cut the last step short
+            assert walked[:last] == res.acceptance_lengths[:last], (B, walked, res.acceptance_lengths)
+            seen[B] |= set(res.acceptance_lengths)
+    assert len(seen[4]) >= 3 and seen[2] == {1, 2}, seen  # partly trained: short and long steps both walked
 
 
 def _ddp_worker(rank, world, store, data, out):
@@ -414,9 +418,11 @@ def test_training_step_and_heldout_eval_on_a_hybrid_target(tmp_path):
     assert [e["step"] for e in evals] == [8] and 1 <= evals[0]["tau"] <= 4
     held = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, cfg)
     assert held.tau == pytest.approx(evals[0]["tau"], abs=0.02) and len(held.accept) == 3
-    assert held.tau_walked is None  # measured at eval_stride 1 only
+    assert held.tau_walked is None and held.walked_tau is None  # measured at eval_stride 1 only
     walked = evaluate_drafter(DFlashDrafter.from_pretrained(cfg.out), target, replace(cfg, eval_stride=1))
     assert walked.tau_walked is not None and 1 <= walked.tau_walked <= 4
+    assert len(walked.walked_tau) == 3 and walked.walked_tau[-1] == walked.tau_walked  # at verify B = 2, 3, 4
+    assert all(1 <= t <= b for b, t in enumerate(walked.walked_tau, 2))
 
 
 def test_added_layers_leave_the_drafts_unchanged_until_trained(tmp_path):
