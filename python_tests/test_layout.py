@@ -32,6 +32,7 @@ ORDER = [
     "model",
     "model.config_fields",  # the config-field rules: what each config.json key does, types and ranges, rejections
     "model.config",      # DFlashConfig: the checks across fields, derived per-layer properties, for_target
+    "model.atomic_files",  # files and folders written whole or not at all
     "model.checkpoint",  # checkpoint files: resolve, read, write
     "model.layers",      # RMSNorm, Attention, MLP, DecoderLayer, BlockConv, CandidateSelector, rope_tables
     "model.masks",       # context_mask, block_mask, windowed_bidirectional_attention

@@ -90,7 +90,7 @@ def prepare(tokenizer, out_dir: str, heldout_data: str, holdout: int, exclude_da
     `exclude_data` (by id and by prompt); the held-out records that tau is measured on
     (``split_holdout``: those whose prompt no training record of `heldout_data` repeats).
     `prompts` ((id, text) pairs) replaces the training sources (tests)."""
-    from dflash_ext.model.checkpoint import write_file_atomically
+    from dflash_ext.model.atomic_files import write_file_atomically
     from dflash_ext.training.data import load_records, split_holdout
 
     records = load_records(heldout_data)
@@ -157,7 +157,7 @@ class Generator:
     def run(self, until: float) -> None:
         """Generate batch after batch while a batch may start before time.time() reaches
         `until` (a batch started just before it runs to its end)."""
-        from dflash_ext.model.checkpoint import write_file_atomically
+        from dflash_ext.model.atomic_files import write_file_atomically
         from dflash_ext.training.data import greedy_batch, left_padded
 
         while not self.exhausted and time.time() < until:
@@ -285,7 +285,7 @@ def recipe_config(args, data: str, extra_data: str, out: str, layer_ids, **run):
 
 
 def _write_json(path: str, obj) -> None:
-    from dflash_ext.model.checkpoint import write_file_atomically
+    from dflash_ext.model.atomic_files import write_file_atomically
 
     def write(p):
         with open(p, "w") as f:

@@ -26,7 +26,7 @@ from typing import Dict, List, NamedTuple, Sequence
 import torch
 
 from ..decode.runner import cache_kwarg, returned_cache
-from ..model.checkpoint import write_file_atomically
+from ..model.atomic_files import write_file_atomically
 
 __all__ = ["Generated", "generate_responses", "chat_prompt_ids", "left_padded", "greedy_batch", "target_pass", "target_features",
            "compute_features", "load_records", "split_holdout", "drop_trained_prompts", "FeatureStore", "write_meta"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash_ext import DFlashDrafter
-from dflash_ext.model import checkpoint
+from dflash_ext.model import atomic_files
 from dflash_ext.model.checkpoint import read_checkpoint, write_checkpoint
 from dflash_ext.testing.targets import tiny_target_config
 
@@ -65,7 +65,7 @@ def test_a_save_removes_the_files_of_an_earlier_save_it_does_not_write(tmp_path)
 
 
 def test_the_fallback_swap_without_renameat2_replaces_the_folder_too(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)  # another OS, or a filesystem that refuses
+    monkeypatch.setattr(atomic_files, "_exchange", lambda a, b: False)  # another OS, or a filesystem that refuses
     v = two_versions()
     folder = tmp_path / "ckpt"
     write_checkpoint(str(folder), *v["a"])
@@ -83,7 +83,7 @@ def test_a_folder_set_aside_by_a_killed_fallback_swap_is_put_back(tmp_path):
     dead.wait()
     os.rename(tmp_path / "ckpt", tmp_path / f".ckpt.old-{dead.pid}-0000")
     os.makedirs(tmp_path / f".ckpt.tmp-{dead.pid}-0000")  # its half-built new folder
-    checkpoint._remove_dead_writers_leftovers(str(tmp_path), "ckpt")
+    atomic_files._remove_dead_writers_leftovers(str(tmp_path), "ckpt")
     assert files_of(tmp_path) == ["ckpt"]
     assert_holds(tmp_path / "ckpt", v["a"])
 
@@ -210,7 +210,7 @@ def test_a_saved_folder_and_its_files_have_the_modes_the_umask_gives(tmp_path):
 def test_feature_shards_and_meta_follow_the_umask(tmp_path, umask):
     from safetensors.torch import save_file
 
-    from dflash_ext.model.checkpoint import write_file_atomically
+    from dflash_ext.model.atomic_files import write_file_atomically
 
     mask = os.umask(umask)
     try:
