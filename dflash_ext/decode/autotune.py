@@ -96,6 +96,10 @@ def choose_block_size(target, drafter, context_len: int,
         sizes = sorted({b for b in candidates if b <= trained} | {trained})
         if not profile:
             return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
+        walked = getattr(drafter, "walked_tau", None)
+        if walked is not None and len(walked) != trained - 1:  # set by hand: a loaded one is checked
+            raise ValueError(f"drafter.walked_tau must hold block_size - 1 = {trained - 1} tokens per step (verify "
+                             f"B = 2..{trained}), got {len(walked)}")
         runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=sizes if static_cache else ())
         if runner.compiles:
             sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
@@ -122,7 +126,6 @@ def choose_block_size(target, drafter, context_len: int,
             rollback(n)
 
         warmup = 3 if runner.compiles else 0
-        walked = getattr(drafter, "walked_tau", None)
         expected, seconds, speed = {}, {}, {}
         for b in sizes:
             tau = 1 + sum(profile[:b - 1]) if walked is None or b == 1 else walked[b - 2]

@@ -172,6 +172,9 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     walked = choose_block_size(target, drafter, 12)
     assert walked.expected_tokens == {1: 1, 2: 1.5, 3: 2.5, 4: 2.5, 6: 2.5, 8: 2.5} and walked.block_size == 3
     assert "as the loop walks" in walked.profile_source
+    drafter.walked_tau = [1.5, 2.5]
+    with pytest.raises(ValueError, match=r"walked_tau must hold block_size - 1 = 7"):
+        choose_block_size(target, drafter, 12)
     drafter.walked_tau = None
     monkeypatch.undo()
     calls = []
