@@ -266,7 +266,11 @@ def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, repo
                                        prompts_ids, size)
         report["baseline"] = dict(_batch_summary(base, base_wall, size), config=name)
         report["speedup"] = base_wall / wall if wall > 0 else None
-        same = [r.tokens == b.tokens for r, b in zip(results, base)]
+        reference = base  # compared like with like: the target alone in DFlash's dtype (as one prompt is)
+        if args.temperature == 0 and next(base_model.parameters()).dtype != next(model.parameters()).dtype:
+            reference, _ = _run_batches(lambda chunk: target_generate(model, chunk, args.max_new_tokens, **common),
+                                        prompts_ids, size)
+        same = [r.tokens == b.tokens for r, b in zip(results, reference)]
         report["identical_to_baseline"] = same if args.temperature == 0 else None
         print(f"--- target alone ({name}), the same batches: {report['baseline']['tokens_per_second']:.1f} tok/s; "
               f"DFlash {report['speedup']:.2f}x" + (f"; outputs identical: {sum(same)} of {len(same)}"

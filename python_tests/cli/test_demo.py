@@ -2,6 +2,7 @@
 the baseline is the fastest target alone measured here, a block size of 1 is said to be the
 target alone (no speedup claimed) with the drafter's own best run beside it, and the output
 comparison says what it means in the dtype."""
+import copy
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import dflash_ext.cli.generate  # noqa: E402
 import dflash_ext.decode.autotune  # noqa: E402
 import dflash_ext.model.pretrained  # noqa: E402
 from dflash_ext import BlockSizeChoice  # noqa: E402
@@ -138,6 +140,19 @@ def test_generate_a_prompts_file_in_batches(monkeypatch, tmp_path, capsys):
     assert [o["prompt"] for o in report["outputs"]] == prompts and report["dflash"]["batch_size"] == 2
     assert report["identical_to_baseline"] == [True] * len(prompts)
     assert [o["tokens"] for o in report["outputs"]] == [o["tokens"] for o in reports[1]["outputs"]]
+    # The fastest target alone in another dtype (timed: bf16 here on some machines) is the speed
+    # baseline, but the outputs are compared with the target alone in DFlash's own dtype.
+    monkeypatch.setattr(dflash_ext.cli.generate, "fastest_target_alone", lambda model, ids, device: (
+        {(torch.float32, False): 2.0, (torch.bfloat16, True): 1.0},
+        {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}))
+    out = tmp_path / "report.json"
+    main(["generate", "--prompts-file", str(jsonl), "--batch-size", "2", "--baseline", "--fresh-drafter",
+          "--draft-layers", "1", "--max-new-tokens", "6", "--threads", "1", "--dtype", "float32", "--block-size", "4",
+          "--json", str(out)])
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["baseline"]["config"] == "bfloat16 with skinny_linear"
+    assert report["identical_to_baseline"] == [True] * len(prompts)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
     with pytest.raises(SystemExit):
