@@ -18,7 +18,6 @@ same weights (converted from the cached Hugging Face folder) compares like for l
 bench.e2e's bf16 run.
 """
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -27,7 +26,7 @@ import time
 
 from bench import _common
 from bench._common import OUT_DIR, format_table
-from bench.e2e import DEFAULT_SETS
+from bench.e2e import DEFAULT_SETS, encode
 
 # llama-completion's decode line ("eval time = X ms / N runs"; its prompt line counts "tokens")
 # and llama-speculative-simple's summary lines.
@@ -37,28 +36,25 @@ _DRAFTED = re.compile(r"n_drafted\s+=\s+(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s+=\s+(\d+)")
 
 
-def prompt_texts(sets, n, tokenizer):
-    """[(set name, [chat-templated prompt text])]: bench.e2e's prompts, as text llama.cpp tokenizes."""
+def prompt_texts(sets, n, tokenizer, max_prompt_tokens):
+    """[(set name, [chat-templated prompt text])]: bench.e2e's prompts, encoded as it encodes them
+    (:func:`bench.e2e.encode`: the user text cut to `max_prompt_tokens`), as text llama.cpp tokenizes."""
     from dflash_ext.prompts import load_prompts
 
-    out = []
-    for name in sets:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False) for p in load_prompts(name, n)]
-        out.append((name, texts))
-    return out
+    return [(name, [tokenizer.decode(encode(tokenizer, p, max_prompt_tokens)) for p in load_prompts(name, n)])
+            for name in sets]
 
 
 def _run(cmd, pattern_names):
-    """(stdout + stderr of `cmd`, {name: [match groups]}) for the named patterns; a failed run or a
-    missing line is an error that shows the output's tail."""
+    """{name: match groups} of the named patterns in the output of `cmd` (stdout and stderr); a
+    failed run or a missing line is an error that shows the output's tail."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
     text = proc.stdout + proc.stderr
     found = {name: pattern.search(text) for name, pattern in pattern_names.items()}
     if proc.returncode != 0 or not all(found.values()):
         missing = [name for name, m in found.items() if m is None]
         sys.exit(f"llama_cpp: {' '.join(cmd[:1])} exited {proc.returncode}, lines missing: {missing}\n{text[-3000:]}")
-    return text, {name: m.groups() for name, m in found.items()}
+    return {name: m.groups() for name, m in found.items()}
 
 
 def target_alone(args, prompt):
@@ -66,7 +62,7 @@ def target_alone(args, prompt):
     cmd = [os.path.join(args.bin, "llama-completion"), "-m", args.target_gguf, "-p", prompt, "-n",
            str(args.max_new_tokens), "-t", str(args.threads), "--temp", "0", "-no-cnv", "--no-warmup", "-c",
            str(args.context)]
-    _, got = _run(cmd, {"eval": _EVAL})
+    got = _run(cmd, {"eval": _EVAL})
     ms, runs = got["eval"]
     return int(runs), float(ms) / 1000
 
@@ -78,7 +74,7 @@ def dflash(args, prompt):
            "-td", str(args.threads), "--temp", "0", "-c", str(args.context)]
     if args.draft_max is not None:
         cmd += ["--draft-max", str(args.draft_max)]
-    _, got = _run(cmd, {"decoded": _DECODED, "drafted": _DRAFTED, "accepted": _ACCEPTED})
+    got = _run(cmd, {"decoded": _DECODED, "drafted": _DRAFTED, "accepted": _ACCEPTED})
     tokens, seconds = got["decoded"]
     return int(tokens), float(seconds), int(got["drafted"][0]), int(got["accepted"][0])
 
@@ -92,6 +88,7 @@ def parse_args(argv=None):
     ap.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS), choices=DEFAULT_SETS)
     ap.add_argument("--n", type=int, default=10, help="prompts per set (default 10, as bench.e2e)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="cut longer user texts (default 1024, as bench.e2e)")
     ap.add_argument("--draft-max", type=int, default=None, help="drafts a step (default: llama.cpp's)")
     ap.add_argument("--context", type=int, default=4096, help="context size llama.cpp allocates (default 4096)")
     ap.add_argument("--threads", type=int, default=2)
@@ -121,7 +118,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(default_target_path())  # the template the embedded target uses
     _common.warn_if_busy("cpu")
     records = []
-    for name, texts in prompt_texts(args.sets, args.n, tokenizer):
+    for name, texts in prompt_texts(args.sets, args.n, tokenizer, args.max_prompt_tokens):
         for k, text in enumerate(texts):
             alone_tokens, alone_s = target_alone(args, text)
             tokens, seconds, drafted, accepted = dflash(args, text)

@@ -68,10 +68,7 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
     local hub cache; a download is tried only when neither `local_files_only` nor
     HF_HUB_OFFLINE forbids it). Every error names the file (and the field or tensor)."""
     path = _resolve_checkpoint(path, cache_dir, local_files_only, revision)
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_NAME}")
-    config = DFlashConfig.from_json_dict(_read_json(cfg_path), source=cfg_path)
+    config = _read_config(path)
     ckpt = Checkpoint(path, config, _read_weights(path))
     acc_path = os.path.join(path, ACCEPTANCE_NAME)
     if os.path.exists(acc_path):
@@ -90,6 +87,14 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
     elif os.path.exists(vocab_path):
         raise ValueError(f"{vocab_path} exists but {cfg_path} has no dflash_config.draft_vocab_size")
     return ckpt
+
+
+def _read_config(path: str) -> DFlashConfig:
+    """The config.json of the checkpoint folder `path`, checked; its absence is an error naming the folder."""
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_NAME}")
+    return DFlashConfig.from_json_dict(_read_json(cfg_path), source=cfg_path)
 
 
 def _read_acceptance(path: str, block_size: int) -> Tuple[List[float], Optional[List[float]]]:
@@ -115,10 +120,7 @@ def acceptance_json(profile: List[float], walked_tau: Optional[List[float]] = No
 def write_acceptance(path: str, profile: List[float], walked_tau: Optional[List[float]] = None) -> None:
     """Replace the acceptance.json of the local checkpoint folder `path` alone (its weights and
     other files stay): checked against its config as a load checks it, then swapped in whole."""
-    config_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{path} is not a local drafter checkpoint folder: it has no {CONFIG_NAME}")
-    block_size = DFlashConfig.from_json_dict(_read_json(config_path), source=config_path).block_size
+    block_size = _read_config(path).block_size
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
