@@ -68,7 +68,7 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
     local hub cache; a download is tried only when neither `local_files_only` nor
     HF_HUB_OFFLINE forbids it). Every error names the file (and the field or tensor)."""
     path = _resolve_checkpoint(path, cache_dir, local_files_only, revision)
-    config = _read_config(path)
+    config, cfg_path = _read_config(path), os.path.join(path, CONFIG_NAME)
     ckpt = Checkpoint(path, config, _read_weights(path))
     acc_path = os.path.join(path, ACCEPTANCE_NAME)
     if os.path.exists(acc_path):
