@@ -1,13 +1,15 @@
 """The target side of the loop: a Hugging Face causal LM as DFlash calls it.
 
 - :class:`TargetRunner`: one forward as the loop calls it (the cache argument's name,
-  last-position logits for a prefill, only the hidden states the drafter reads);
+  last-position logits for a prefill, only the hidden states the drafter reads; on the CPU,
+  grouped K/V heads passed to SDPA as they are, not repeated per query head);
 - :func:`static_cache` / :func:`compiled_call`: the static cache and the compiled passes
   over it (CUDA graphs through ``torch.compile``; the target itself off CUDA).
 
 The rollback of every cache kind is :mod:`.rollback`; which kernel runs the target's linear
 layers is :mod:`dflash_ext.ops.linear`'s (``streamed_linears``).
 """
+import contextvars
 import inspect
 from typing import Optional, Sequence
 
@@ -52,6 +54,7 @@ class TargetRunner:
         self.select = self.needed if self.needed and _CAN_SELECT_HIDDEN_STATES else True
         self.compiled_sizes = set(compiled_sizes)
         self.compiled = compiled_call(target) if self.compiled_sizes else target
+        self.grouped_kv = self.device.type == "cpu" and _let_sdpa_take_grouped_kv()
 
     @property
     def compiles(self) -> bool:
@@ -79,8 +82,12 @@ class TargetRunner:
         if rollback is not None:
             rollback.check_pass(ids.shape[1])
         keep = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last else {}
-        out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want,
-                                                 **{self.cache_arg: cache}, **keep, **rows)
+        grouped = _GROUPED_KV_WITH_MASK.set(self.grouped_kv)
+        try:
+            out = self._forward(ids.shape[1], cache)(input_ids=ids, use_cache=True, output_hidden_states=want,
+                                                     **{self.cache_arg: cache}, **keep, **rows)
+        finally:
+            _GROUPED_KV_WITH_MASK.reset(grouped)
         hs = out.hidden_states
         if hidden_states and want is not True and any(hs is None or len(hs) <= i or hs[i] is None
                                                       for i in self.needed):
@@ -158,3 +165,38 @@ def _can_select_hidden_states() -> bool:
 
 
 _CAN_SELECT_HIDDEN_STATES = _can_select_hidden_states()
+
+
+# Inside TargetRunner's passes on the CPU: SDPA gets a grouped-query layer's K/V heads as they are.
+_GROUPED_KV_WITH_MASK = contextvars.ContextVar("dflash_grouped_kv_with_mask", default=False)
+
+
+def _let_sdpa_take_grouped_kv() -> bool:
+    """transformers' SDPA attention passes grouped K/V heads to torch's SDPA (enable_gqa) only
+    when the pass has no mask, for CUDA's kernels; any pass with one, as a verify pass over a
+    cache has (its queries are causal among themselves), first copies every K/V head once per
+    query head it serves (repeat_kv: the layer's whole cache, each pass). torch's CPU SDPA takes
+    grouped heads with a mask too, and the same attention comes out (python_tests/decode/test_runner.py)
+    without the copies: 7 % of a bf16 verify pass of SmolLM2 (3 of 9 heads) at B = 3, more as the
+    context grows. So transformers' choice is wrapped, once, to say yes to CPU tensors during
+    TargetRunner's passes (a context flag: a user's own calls keep transformers' choice).
+    False where this transformers has no such choice to wrap."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        return False
+    choice = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if choice is None:
+        return False
+    if getattr(choice, "dflash_wrapped", False):
+        return True
+
+    def use_gqa_in_sdpa(attention_mask, key, value=None, *args, **kwargs):
+        if (_GROUPED_KV_WITH_MASK.get() and key.device.type == "cpu"
+                and (value is None or value.shape[-1] == key.shape[-1])):
+            return True
+        return choice(attention_mask, key, *(() if value is None else (value,)), *args, **kwargs)
+
+    use_gqa_in_sdpa.dflash_wrapped = True
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
+    return True
