@@ -69,8 +69,8 @@ def _poisoned_inputs(M, N, K, dtype, seed):
 @pytest.mark.parametrize("N,K", [(576, 576), (37, 95), (19, 1100), (5, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_level_and_row_count(cpu_isa_level, dtype, N, K):
-    """1..17 rows at every ISA level this CPU has (the bf16 dot-product kernel from
-    avx512_bf16 up, the fp32 streaming kernel below and for fp32), against the reference, on
+    """1..17 rows at every ISA level this CPU has (the AVX-512 dot kernel: bf16 from
+    avx512_bf16 up, fp32 from avx512 up; the AVX2 fp32 streaming kernel below), against the reference, on
     poisoned inputs (NaN past the rows, columns and weight rows the op may read) with a
     strided bias. K = 1100 is long enough for the multi-pass kernels to split the columns."""
     for M in range(1, 18):
@@ -94,23 +94,28 @@ def test_stream_rows_by_level(cpu_isa_level):
 
 
 def test_a_row_does_not_depend_on_its_call(cpu_isa_level):
-    """Each output row is summed in the same order whichever rows share the call: bit for bit
-    for 1..16 rows in bf16 on bf16 units, and for 1..4 rows on the fp32 streaming kernel
-    (what an exact verify that streams its linear layers relies on: docs/decoding.md).
-    Columns 0 and 16 carry +-2^18, which cancel only if summed before the rest: another
-    summation order moves most outputs by more than a bf16 step."""
+    """Each output row is summed in the same order whichever rows share the call, bit for bit,
+    within each kernel's row counts: 1..16 rows in bf16 on bf16 units; in fp32 on AVX-512,
+    1..2 rows (the AVX2 streaming kernel) and 3..8 (the AVX-512 dot kernel); 1..4 rows on the
+    AVX2 streaming kernel below (what an exact verify that streams its linear layers relies
+    on: docs/decoding.md). Columns 0 and 16 carry +-2^18, which cancel only if summed before
+    the rest: another summation order moves most outputs by more than a bf16 step."""
     from dflash_ext import hardware
-    units = hardware.ISA_LEVELS.index(cpu_isa_level) >= hardware.ISA_LEVELS.index("avx512_bf16")
-    cases = [(torch.float32, 4), (torch.bfloat16, 16 if units else 4)]
-    for dtype, rows in cases:
+    level = hardware.ISA_LEVELS.index(cpu_isa_level)
+    units, avx512 = level >= hardware.ISA_LEVELS.index("avx512_bf16"), level >= hardware.ISA_LEVELS.index("avx512")
+    cases = [(torch.float32, [range(1, 3), range(3, 9)] if avx512 else [range(1, 5)]),
+             (torch.bfloat16, [range(1, 17) if units else range(1, 5)])]
+    for dtype, kernels in cases:
         for N, K in [(53, 200), (40, 1100)]:
-            x, w, b = make_linear_inputs(rows, N, K, bias=True, dtype=dtype, seed=N + K + rows)
+            x, w, b = make_linear_inputs(16, N, K, bias=True, dtype=dtype, seed=N + K)
             x[:, [0, 16]] = 1.0
             w[:, 0], w[:, 16] = 2.0 ** 18, -2.0 ** 18
-            assert skinny_linear_streams(x, w)
-            alone = torch.cat([dflash_ext.skinny_linear(x[i:i + 1], w, b) for i in range(rows)])
-            for M in range(1, rows + 1):
-                assert torch.equal(dflash_ext.skinny_linear(x[:M], w, b), alone[:M]), (dtype, N, K, M)
+            for counts in kernels:
+                assert skinny_linear_streams(x[:counts[-1]], w)
+                first = counts[0]
+                alone = torch.cat([dflash_ext.skinny_linear(x[i:i + first], w, b)[:1] for i in range(counts[-1])])
+                for M in counts:
+                    assert torch.equal(dflash_ext.skinny_linear(x[:M], w, b), alone[:M]), (dtype, N, K, M)
 
 
 @pytest.mark.parametrize("device", DEVICES)
