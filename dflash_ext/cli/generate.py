@@ -88,6 +88,15 @@ def cmd_generate(args):
     many = [_chat_ids(tok, p) for p in args.prompts_file] if args.prompts_file else None
     ids = many[0] if many else _chat_ids(tok, args.prompt)  # --dtype auto and --baseline time the first prompt
     report = {}
+    default_drafter = default_drafter_path()
+    if args.drafter is None and args.target is None and not args.fresh_drafter:
+        if os.path.exists(os.path.join(default_drafter, "config.json")):
+            args.drafter = default_drafter
+        else:
+            print(f"[dflash_ext] the shipped drafter is missing ({default_drafter}): a broken install?",
+                  file=sys.stderr)
+    load_drafter = lambda dt: DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dt)
+    drafter = choice = None
     if measure:
         timings, models = fastest_target_alone(model, ids, args.device)
         fastest = min(timings, key=timings.get)
@@ -96,23 +105,26 @@ def cmd_generate(args):
               + f" -> fastest here: {_config_name(fastest)}", file=sys.stderr)
         report["target_alone_ms_per_token"] = {_config_name(c): 1e3 * t for c, t in timings.items()}
         dtype = fastest[0] if args.dtype == "auto" else getattr(torch, args.dtype)
+        how = "auto: the fastest target alone measured above" if args.dtype == "auto" else "as asked"
+        if args.dtype == "auto" and args.block_size == "auto" and args.drafter and not (many or args.static_cache):
+            raced = _fastest_dflash(models, load_drafter, len(ids))
+            if raced is not None:
+                dtype, drafter, choice, by_dtype = raced
+                how = "auto: where DFlash is expected fastest, above"
+                report["dflash_expected_tokens_per_second"] = {
+                    _name(dt): max(c.tokens_per_second.values()) for dt, (_, c) in by_dtype.items()}
         if dtype not in models:  # e.g. float16 asked for: a copy (.to() would convert the fp32 one in place)
             models[dtype] = copy.deepcopy(model).to(dtype)
         model = models[dtype]
     else:
         dtype = getattr(torch, args.dtype)
-    print(f"[dflash_ext] dtype {_name(dtype)} ({'auto: the fastest target alone measured above' if args.dtype == 'auto' else 'as asked'}; "
-          f"{where})", file=sys.stderr)
+        how = "as asked"
+    print(f"[dflash_ext] dtype {_name(dtype)} ({how}; {where})", file=sys.stderr)
     report["dtype"] = _name(dtype)
-    default_drafter = default_drafter_path()
-    if args.drafter is None and args.target is None and not args.fresh_drafter:
-        if os.path.exists(os.path.join(default_drafter, "config.json")):
-            args.drafter = default_drafter
-        else:
-            print(f"[dflash_ext] the shipped drafter is missing ({default_drafter}): a broken install?",
-                  file=sys.stderr)
-    if args.drafter:
-        drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
+    if drafter is not None:
+        note = f"drafter: {args.drafter}"
+    elif args.drafter:
+        drafter = load_drafter(dtype)
         check_drafter_fits(drafter, model.config)
         note = f"drafter: {args.drafter}"
     else:
@@ -137,8 +149,9 @@ def cmd_generate(args):
         return _generate_many(args, model, tok, drafter, many, stops, baseline, report)
     best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
-        choice = choose_block_size(model, drafter, len(ids), static_cache=args.static_cache,  # its graphs reused
-                                   static_cache_len=cache_rows)
+        if choice is None:  # else timed already, in the dtype race above
+            choice = choose_block_size(model, drafter, len(ids), static_cache=args.static_cache,  # its graphs reused
+                                       static_cache_len=cache_rows)
         args.block_size = choice.block_size
         speeds = ", ".join(f"B={b}: {v:.0f} tok/s" for b, v in choice.tokens_per_second.items())
         print(f"[dflash_ext] block size auto -> {choice.block_size} (profile: {choice.profile_source}"
@@ -207,6 +220,30 @@ def cmd_generate(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def _fastest_dflash(models, load_drafter, context_len: int):
+    """--dtype auto with --block-size auto and a trained drafter (one prompt, dynamic cache):
+    (dtype, drafter, its BlockSizeChoice, {dtype: (drafter, choice)}) of the dtype where DFlash
+    is expected fastest at its best block size (choose_block_size in each dtype the target
+    alone was timed in: the verify and the draft step cost differently per dtype, so the
+    fastest target alone's dtype need not be DFlash's; the baseline stays the fastest target
+    alone). None where the drafter has no acceptance profile (nothing timed)."""
+    from ..decode.autotune import choose_block_size
+
+    raced = {}
+    for dt, target in models.items():
+        drafter = load_drafter(dt)
+        check_drafter_fits(drafter, target.config)
+        choice = choose_block_size(target, drafter, context_len)
+        if not choice.tokens_per_second:
+            return None
+        raced[dt] = drafter, choice
+    best = max(raced, key=lambda dt: max(raced[dt][1].tokens_per_second.values()))
+    print("[dflash_ext] DFlash expected after this prompt: " + ", ".join(
+        f"{_name(dt)} {max(c.tokens_per_second.values()):.1f} tok/s (B={c.block_size})" for dt, (_, c) in raced.items())
+        + f" -> {_name(best)}", file=sys.stderr)
+    return best, *raced[best], raced
 
 
 def _chat_ids(tok, prompt: str) -> list:

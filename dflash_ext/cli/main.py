@@ -53,8 +53,10 @@ def main(argv=None):
     g.add_argument("--baseline", action="store_true",
                    help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="target and drafter dtype; auto = the dtype in which the target alone runs fastest here "
-                        "(timed at start, one token per pass)")
+                   help="target and drafter dtype; auto = with --block-size auto and a trained drafter, the dtype "
+                        "in which DFlash is expected fastest here at its best block size (each timed at start), "
+                        "else the dtype in which the target alone runs fastest here (timed at start, one token "
+                        "per pass)")
     g.add_argument("--device", type=torch_device, default="cpu")
     g.add_argument("--threads", type=positive_int, default=2)
     g.add_argument("--seed", type=seed_int, default=0)

@@ -71,6 +71,49 @@ def test_baseline_is_the_fastest_target_alone_measured(tiny_run, capsys):
         assert "--dtype float32 gives the exact comparison" in err
 
 
+@pytest.mark.parametrize("dflash_fastest", ["float32", "bfloat16"])
+def test_auto_dtype_is_where_dflash_is_expected_fastest(monkeypatch, tmp_path, capsys, dflash_fastest):
+    """--dtype auto with --block-size auto and a trained drafter: the block-size rule runs in
+    each dtype and DFlash runs in the one of the higher expected tok/s, whichever dtype the
+    fastest target alone (the baseline, here bf16) has; the block size chosen there is used."""
+    from dflash_ext import DFlashDrafter
+    from dflash_ext.testing.targets import tiny_target_config
+
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target",
+                        lambda path=None, dtype=torch.float32, device="cpu", tokenizer=True:
+                        (tiny_target().to(dtype), _Tokenizer()))
+    real_fastest = dflash_ext.cli.generate.fastest_target_alone
+
+    def bf16_fastest(model, ids, device):  # the models as made, the timings set: bf16 with skinny_linear fastest
+        timings, models = real_fastest(model, ids, device)
+        return {c: (1.0 if c == (torch.bfloat16, True) else 2.0) for c in timings}, models
+
+    monkeypatch.setattr(dflash_ext.cli.generate, "fastest_target_alone", bf16_fastest)
+    calls = []
+
+    def choose(target, drafter, context_len, **kwargs):
+        dt = next(target.parameters()).dtype
+        assert next(drafter.parameters()).dtype == dt  # each dtype's drafter against its target
+        calls.append(dt)
+        best = 3 if str(dt).endswith(dflash_fastest) else 2
+        speeds = {1: 10.0, 2: 12.0, 3: 15.0} if best == 3 else {1: 10.0, 2: 11.0, 3: 9.0}
+        return BlockSizeChoice(best, {1: 1.0, 2: 1.5, 3: 1.8}, {b: 0.1 for b in speeds}, speeds, "a test's")
+
+    monkeypatch.setattr(dflash_ext.decode.autotune, "choose_block_size", choose)
+    drafter = DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=3)
+    drafter.save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "report.json"
+    main(["generate", "--baseline", "--drafter", str(tmp_path / "drafter"), "--max-new-tokens", "6", "--threads",
+          "1", "--dtype", "auto", "--json", str(out)])
+    err, report = capsys.readouterr().err, json.loads(out.read_text())
+    assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32"]  # timed once per dtype, not again
+    assert report["dtype"] == dflash_fastest and report["dflash"]["block_size"] == 3
+    assert report["baseline"]["config"] == "bfloat16 with skinny_linear"  # the fastest target alone still
+    assert report["dflash_expected_tokens_per_second"] == {dflash_fastest: 15.0,
+                                                           ({"float32", "bfloat16"} - {dflash_fastest}).pop(): 11.0}
+    assert f"-> {dflash_fastest}" in err and "where DFlash is expected fastest" in err
+
+
 def test_bf16_output_line_says_why_and_how_to_get_the_exact_run(tiny_run, capsys):
     err, report = tiny_run(capsys, "--dtype", "bfloat16", "--block-size", "4")
     line = next(l for l in err.splitlines() if l.strip().startswith("output:"))
