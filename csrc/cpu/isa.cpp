@@ -80,6 +80,7 @@ GemmPath gemm_path(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
 bool skinny_linear_streams(at::ScalarType dtype, int64_t rows, int64_t weight_bytes) {
   if (rows < 1 || rows > kSkinnyRows) return false;
   if (dtype == at::kBFloat16 && active_isa() >= Isa::avx512_bf16) return true;
+  if (dtype == at::kFloat && active_isa() >= Isa::avx512) return true;
   return rows <= kStreamRows && gemm_path(dtype, rows, weight_bytes) == GemmPath::tiles;
 }
 

@@ -325,8 +325,8 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
     return out;
   }
   // fp32 from 3 rows: one or two rows stream as fast or faster on the AVX2 kernel (its two
-  // accumulators per row), 4 rows 1.3-1.4x faster here, 8 rows about 2x (SmolLM2's shapes,
-  // weights in DRAM, EPYC-bf16: bench/results/skinny_fp32_avx512.txt).
+  // accumulators per row); from 3 rows this one wins, about 2x the AVX2 kernel at 8 rows and
+  // 1.1-3.5x MKL at 12-16 (EPYC-bf16: bench/results/skinny_fp32_avx512*.txt).
   if (x.scalar_type() == at::kFloat && active_isa() >= Isa::avx512 && d.M >= 3) {
     skinny_linear_dots<dots::F32>(xr, w, bias, out, d);
     return out;

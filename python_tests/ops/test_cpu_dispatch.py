@@ -49,6 +49,7 @@ def test_bad_levels_are_clear_errors():
 
 def test_paths_follow_the_level(cpu_isa_level):
     bf16_units = LEVELS.index(cpu_isa_level) >= LEVELS.index("avx512_bf16")
+    avx512 = LEVELS.index(cpu_isa_level) >= LEVELS.index("avx512")
     bf16 = hardware.cpu_paths(torch.bfloat16, rows=4)
     assert bf16["project_features"] == bf16["inject_context_kv"] == ("onednn" if bf16_units else "tiles")
     assert bf16["block_attention"] == ("flash" if bf16_units else "tiles")  # 1024 keys, 48 query rows
@@ -69,10 +70,13 @@ def test_paths_follow_the_level(cpu_isa_level):
     assert hardware.cpu_paths(torch.float16, rows=4) == {
         "project_features": "tiles", "inject_context_kv": "tiles", "skinny_linear": "stream",
         "block_attention": "tiles"}
-    # skinny_linear: bf16 on bf16 units streams 1..16 rows over any weight (its dot-product
-    # kernel); otherwise 1..8 rows where the GEMM rule says tiles, else the library's linear
+    # skinny_linear: bf16 on bf16 units and fp32 on AVX-512 stream 1..16 rows over any weight
+    # (the dot kernel); otherwise 1..8 rows where the GEMM rule says tiles, else the library's linear
     assert hardware.cpu_paths(torch.float32, rows=8, weight_bytes=1 << 30)["skinny_linear"] == "stream"
-    assert hardware.cpu_paths(torch.float32, rows=9)["skinny_linear"] == "library"
+    assert hardware.cpu_paths(torch.float32, rows=9)["skinny_linear"] == ("stream" if avx512 else "library")
+    assert hardware.cpu_paths(torch.float32, rows=16, weight_bytes=1 << 30)["skinny_linear"] == \
+        ("stream" if avx512 else "library")
+    assert hardware.cpu_paths(torch.float32, rows=17)["skinny_linear"] == "library"
     assert hardware.cpu_paths(torch.bfloat16, rows=4, weight_bytes=2 << 20)["skinny_linear"] == "stream"
     big = hardware.cpu_paths(torch.bfloat16, rows=1, weight_bytes=(12 << 20) + 1)["skinny_linear"]
     assert big == "stream"

@@ -12,7 +12,7 @@ from dflash_ext.testing.inputs import make_linear_inputs
 from python_tests.helpers import DEVICES, DTYPES, check_op
 
 
-# Rows 1..8 stream on the CPU, bf16 up to 16 on bf16 units, 17 and 300 go to the library;
+# Rows 1..8 stream on the CPU, bf16 up to 16 on bf16 units and fp32 on AVX-512, 17 and 300 go to the library;
 # K = 1536 / 576 are the SmolLM2 MLP and hidden widths, 33, 95 and 7 leave a remainder after
 # the 16-float (32-bf16) steps; N = 49, 37, 3 leave weight rows after the kernels' groups.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 300]
@@ -81,33 +81,35 @@ def test_every_level_and_row_count(cpu_isa_level, dtype, N, K):
 
 
 def test_stream_rows_by_level(cpu_isa_level):
-    """bf16 on bf16 units streams 1..16 rows whatever the weight (its dot-product kernel);
-    fp32, and bf16 below avx512_bf16, 1..8 rows where the GEMM rule says tiles."""
+    """bf16 on bf16 units and fp32 on AVX-512 stream 1..16 rows whatever the weight (the dot
+    kernel); fp32 on AVX2, and bf16 below avx512_bf16, 1..8 rows where the GEMM rule says tiles."""
     from dflash_ext import hardware
-    units = hardware.ISA_LEVELS.index(cpu_isa_level) >= hardware.ISA_LEVELS.index("avx512_bf16")
+    level = hardware.ISA_LEVELS.index(cpu_isa_level)
+    units, avx512 = level >= hardware.ISA_LEVELS.index("avx512_bf16"), level >= hardware.ISA_LEVELS.index("avx512")
     for rows in (1, 8, 9, 16, 17):
         for weight_bytes in (1 << 10, 1 << 30):
             bf16 = hardware.cpu_paths(torch.bfloat16, rows=rows, weight_bytes=weight_bytes)["skinny_linear"]
             expected = rows <= 16 if units else rows <= 8
             assert (bf16 == "stream") == expected, (rows, weight_bytes, bf16)
-        assert (hardware.cpu_paths(torch.float32, rows=rows)["skinny_linear"] == "stream") == (rows <= 8)
+        assert (hardware.cpu_paths(torch.float32, rows=rows)["skinny_linear"] == "stream") == \
+            (rows <= (16 if avx512 else 8))
 
 
 def test_a_row_does_not_depend_on_its_call(cpu_isa_level):
     """Each output row is summed in the same order whichever rows share the call, bit for bit,
     within each kernel's row counts: 1..16 rows in bf16 on bf16 units; in fp32 on AVX-512,
-    1..2 rows (the AVX2 streaming kernel) and 3..8 (the AVX-512 dot kernel); 1..4 rows on the
+    1..2 rows (the AVX2 streaming kernel) and 3..16 (the AVX-512 dot kernel); 1..4 rows on the
     AVX2 streaming kernel below (what an exact verify that streams its linear layers relies
     on: docs/decoding.md). Columns 0 and 16 carry +-2^18, which cancel only if summed before
     the rest: another summation order moves most outputs by more than a bf16 step."""
     from dflash_ext import hardware
     level = hardware.ISA_LEVELS.index(cpu_isa_level)
     units, avx512 = level >= hardware.ISA_LEVELS.index("avx512_bf16"), level >= hardware.ISA_LEVELS.index("avx512")
-    cases = [(torch.float32, [range(1, 3), range(3, 9)] if avx512 else [range(1, 5)]),
+    cases = [(torch.float32, [range(1, 3), range(3, 17)] if avx512 else [range(1, 5)]),
              (torch.bfloat16, [range(1, 17) if units else range(1, 5)])]
     for dtype, kernels in cases:
         for N, K in [(53, 200), (40, 1100)]:
-            x, w, b = make_linear_inputs(16, N, K, bias=True, dtype=dtype, seed=N + K)
+            x, w, b = make_linear_inputs(18, N, K, bias=True, dtype=dtype, seed=N + K)  # row i alone: rows i..i+2
             x[:, [0, 16]] = 1.0
             w[:, 0], w[:, 16] = 2.0 ** 18, -2.0 ** 18
             for counts in kernels:
@@ -150,7 +152,7 @@ def test_streamed_linears_patches_and_restores(monkeypatch):
             assert calls == [(1, 4, 32), (1, 4, 40)]
             model(torch.randn(1, 1, 32))               # one row: streamed too
             assert len(calls) == 4
-            model(torch.randn(1, 9, 32))                # many rows (> 8): F.linear
+            model(torch.randn(1, 17, 32))               # many rows (> 16): F.linear
             assert len(calls) == 4
             with streamed_linears(model):              # nested: a no-op, the outer patch survives
                 pass
@@ -194,10 +196,11 @@ def test_stream_rule_matches_the_paths():
     """ops.linear.skinny_linear_streams and hardware.cpu_paths read the one rule of csrc/cpu/isa.h."""
     from dflash_ext import hardware
     w = torch.randn(16, 32)
-    for rows in (1, 8, 9):
+    avx512 = hardware.ISA_LEVELS.index(hardware.cpu_isa()["active"]) >= hardware.ISA_LEVELS.index("avx512")
+    for rows in (1, 8, 9, 16, 17):
         x = torch.randn(rows, 32)
         path = hardware.cpu_paths(torch.float32, rows=rows, weight_bytes=w.numel() * 4)["skinny_linear"]
-        assert skinny_linear_streams(x, w) == (path == "stream") == (rows <= 8)
+        assert skinny_linear_streams(x, w) == (path == "stream") == (rows <= (16 if avx512 else 8))
     for rows in (8, 16, 17):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         path = hardware.cpu_paths(torch.bfloat16, rows=rows, weight_bytes=w.numel() * 2)["skinny_linear"]
