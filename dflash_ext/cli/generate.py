@@ -112,7 +112,7 @@ def cmd_generate(args):
                 dtype, drafter, choice, by_dtype = raced
                 how = "auto: where DFlash is expected fastest, above"
                 report["dflash_expected_tokens_per_second"] = {
-                    _name(dt): max(c.tokens_per_second.values()) for dt, (_, c) in by_dtype.items()}
+                    _name(dt): c.best_tokens_per_second for dt, (_, c) in by_dtype.items()}
         if dtype not in models:  # e.g. float16 asked for: a copy (.to() would convert the fp32 one in place)
             models[dtype] = copy.deepcopy(model).to(dtype)
         model = models[dtype]
@@ -121,11 +121,10 @@ def cmd_generate(args):
         how = "as asked"
     print(f"[dflash_ext] dtype {_name(dtype)} ({how}; {where})", file=sys.stderr)
     report["dtype"] = _name(dtype)
-    if drafter is not None:
-        note = f"drafter: {args.drafter}"
-    elif args.drafter:
-        drafter = load_drafter(dtype)
-        check_drafter_fits(drafter, model.config)
+    if args.drafter:
+        if drafter is None:  # else loaded in DFlash's dtype by the race above
+            drafter = load_drafter(dtype)
+            check_drafter_fits(drafter, model.config)
         note = f"drafter: {args.drafter}"
     else:
         # a drafter's block is >= 2; at --block-size 1 it drafts nothing anyway
@@ -239,9 +238,9 @@ def _fastest_dflash(models, load_drafter, context_len: int):
         if not choice.tokens_per_second:
             return None
         raced[dt] = drafter, choice
-    best = max(raced, key=lambda dt: max(raced[dt][1].tokens_per_second.values()))
+    best = max(raced, key=lambda dt: raced[dt][1].best_tokens_per_second)
     print("[dflash_ext] DFlash expected after this prompt: " + ", ".join(
-        f"{_name(dt)} {max(c.tokens_per_second.values()):.1f} tok/s (B={c.block_size})" for dt, (_, c) in raced.items())
+        f"{_name(dt)} {c.best_tokens_per_second:.1f} tok/s (B={c.block_size})" for dt, (_, c) in raced.items())
         + f" -> {_name(best)}", file=sys.stderr)
     return best, *raced[best], raced
 

@@ -30,6 +30,11 @@ class BlockSizeChoice:
     tokens_per_second: dict   # B -> expected_tokens / step_seconds
     profile_source: str
 
+    @property
+    def best_tokens_per_second(self) -> Optional[float]:
+        """The expected tokens per second at the chosen block size (None: nothing timed)."""
+        return self.tokens_per_second.get(self.block_size)
+
 
 def median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
     """The median wall time of `reps` calls of `fn`, after `warmup` untimed ones."""

@@ -152,11 +152,13 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=8)
     none = choose_block_size(target, drafter, 12)
     assert none.block_size == 8 and not none.tokens_per_second  # no profile: the trained block
+    assert none.best_tokens_per_second is None
     drafter.acceptance_profile = [0.9 ** j for j in range(1, 8)]
     choice = choose_block_size(target, drafter, 12)
     assert set(choice.tokens_per_second) == {1, 2, 3, 4, 6, 8}
     assert choice.expected_tokens[1] == 1
     assert choice.block_size == max(choice.tokens_per_second, key=choice.tokens_per_second.get)
+    assert choice.best_tokens_per_second == max(choice.tokens_per_second.values())
     assert choice.expected_tokens[8] == pytest.approx(1 + sum(0.9 ** j for j in range(1, 8)))
     for b, v in choice.tokens_per_second.items():
         assert v == pytest.approx(choice.expected_tokens[b] / choice.step_seconds[b])
