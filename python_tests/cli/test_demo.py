@@ -71,6 +71,31 @@ def test_baseline_is_the_fastest_target_alone_measured(tiny_run, capsys):
         assert "--dtype float32 gives the exact comparison" in err
 
 
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_speedup_is_the_median_of_pairs_run_alternately(tiny_run, monkeypatch, capsys, repeats):
+    """--repeats N: DFlash and the target alone each run N times (after one warm-up each),
+    alternately, and the speedup is the median of the N pairs' ratios."""
+    import dflash_ext.decode.loop
+
+    order = []
+    for name in ("spec_generate", "target_generate"):
+        real = getattr(dflash_ext.decode.loop, name)
+        spy = lambda *a, _real=real, _name=name, **k: order.append(_name) or _real(*a, **k)
+        monkeypatch.setattr(dflash_ext.decode.loop, name, spy)
+    err, report = tiny_run(capsys, "--dtype", "float32", "--block-size", "4", "--repeats", str(repeats))
+    # a warm-up and the streamed run of each, the further pairs, then (where the fastest target alone runs in
+    # another dtype) the target alone in DFlash's dtype for the output comparison
+    pairs = ["spec_generate"] * 2 + ["target_generate"] * 2 + ["spec_generate", "target_generate"] * (repeats - 1)
+    assert order[:len(pairs)] == pairs and order[len(pairs):] in ([], ["target_generate"])
+    if repeats == 1:
+        assert "speedup_runs" not in report and "pairs run alternately" not in err
+    else:
+        ratios = report["speedup_runs"]
+        assert len(ratios) == repeats and all(r > 0 for r in ratios)
+        assert report["speedup"] == sorted(ratios)[repeats // 2]
+        assert f"{report['speedup']:.2f}x, the median of {repeats} pairs run alternately" in err
+
+
 @pytest.mark.parametrize("dflash_fastest", ["float32", "bfloat16"])
 def test_auto_dtype_is_where_dflash_is_expected_fastest(monkeypatch, tmp_path, capsys, dflash_fastest):
     """--dtype auto with --block-size auto and a trained drafter: the block-size rule runs in
