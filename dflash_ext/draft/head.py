@@ -34,20 +34,23 @@ def block_embedding(target) -> nn.Module:
 _VOCAB_HEADS = weakref.WeakKeyDictionary()
 
 
-def vocab_head(lm_head: nn.Module, vocab: torch.Tensor):
+def vocab_head(lm_head: nn.Module, vocab: torch.Tensor, dtype: Optional[torch.dtype] = None):
     """(token ids, weight rows, bias rows or None) of the draft vocabulary `vocab` (sorted
-    token ids) in the target's `lm_head`, on its device and dtype. Gathered once per head and
-    vocabulary (a copy of V' rows: not per generation): gathered again when `vocab` is another
-    tensor or the head's weight or bias was replaced, moved, cast or changed in place. The
+    token ids) in the target's `lm_head`, on its device, in `dtype` (default: the head's; the
+    drafter's own, where it drafts in another dtype than the target's). Gathered once per head,
+    vocabulary and dtype (a copy of V' rows: not per generation): gathered again when `vocab` is
+    another tensor or the head's weight or bias was replaced, moved, cast or changed in place. The
     target is frozen: a write through ``.data``, which nothing can see, is not followed."""
     w = lm_head.weight
     bias = getattr(lm_head, "bias", None)
-    key = (w.data_ptr(), w._version, w.device, w.dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    dtype = w.dtype if dtype is None else dtype
+    key = (w.data_ptr(), w._version, w.device, w.dtype, dtype,
+           None if bias is None else (bias.data_ptr(), bias._version))
     held = _VOCAB_HEADS.get(lm_head)
     if held is None or held[0] is not vocab or held[1] != key:
         ids = vocab.to(w.device)
-        held = _VOCAB_HEADS[lm_head] = (vocab, key, ids, w.detach()[ids].contiguous(),
-                                        None if bias is None else bias.detach()[ids])
+        held = _VOCAB_HEADS[lm_head] = (vocab, key, ids, w.detach()[ids].to(dtype).contiguous(),
+                                        None if bias is None else bias.detach()[ids].to(dtype))
     return held[2:]
 
 

@@ -63,7 +63,7 @@ class DraftRuntime:
         self.embed, self.lm_head, self.cuda_graph = embed, lm_head, bool(cuda_graph)
         self.vocab = self.vocab_weight = self.vocab_bias = None
         if lm_head is not None and drafter.draft_vocab is not None:
-            self.vocab, self.vocab_weight, self.vocab_bias = vocab_head(lm_head, drafter.draft_vocab)
+            self.vocab, self.vocab_weight, self.vocab_bias = vocab_head(lm_head, drafter.draft_vocab, self.dtype)
         self._graphs = {}  # (mask tokens in the block, tokens kept) -> CapturedDraftStep
 
     # ------------------------------------------------------------------ state

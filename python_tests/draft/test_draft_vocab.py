@@ -94,3 +94,19 @@ def test_greedy_output_is_the_target_s(target, block_size):
     drafter = drafter_for(target, block_size, vocab=list(range(0, V, 2)))
     for prompt in PROMPTS:
         assert spec_generate(target, drafter, prompt, 24).tokens == target_generate(target, prompt, 24).tokens
+
+
+def test_a_drafter_in_another_dtype_drafts_with_the_rows_in_its_own(target):
+    """A bf16 drafter beside an fp32 target (what the CPU runs where it has bf16 units): the
+    vocabulary's head rows are the target's, cast once to the drafter's dtype, and the output
+    is still the target's own."""
+    V = target.config.vocab_size
+    vocab = list(range(1, V, 2))
+    drafter = drafter_for(target, 4, vocab=vocab).to(torch.bfloat16)
+    runtime = DFlashProposer(drafter, target, capacity=64).runtime
+    head = target.get_output_embeddings().weight
+    assert head.dtype == torch.float32
+    assert runtime.vocab_weight.dtype == torch.bfloat16
+    assert torch.equal(runtime.vocab_weight, head.detach()[vocab].to(torch.bfloat16))
+    for prompt in PROMPTS:
+        assert spec_generate(target, drafter, prompt, 24).tokens == target_generate(target, prompt, 24).tokens
