@@ -2,7 +2,8 @@
 maximises expected tokens per second on this machine (:func:`choose_block_size`, ``block_size
 ="auto"``) and the target alone timed in each dtype and linear-layer path
 (:func:`time_target_alone`, :func:`fastest_target_alone`: the demo's ``--dtype auto`` and
-``--baseline``). All time with :func:`median_seconds`. (The LM-head padding is timed where
+``--baseline``). All time with :func:`median_seconds` (several functions in turns:
+:func:`interleaved_median_seconds`). (The LM-head padding is timed where
 it is decided, :func:`dflash_ext.ops.linear.lm_head_padding`: the draft step sits below this
 layer.)"""
 import copy
@@ -19,7 +20,7 @@ from . import runner as runner_module
 from .rollback import CacheRollback
 from .runner import TargetRunner
 
-__all__ = ["median_seconds", "BlockSizeChoice", "choose_block_size", "time_target_alone", "fastest_target_alone"]
+__all__ = ["median_seconds", "interleaved_median_seconds", "BlockSizeChoice", "choose_block_size", "time_target_alone", "fastest_target_alone"]
 
 
 @dataclass
@@ -38,14 +39,23 @@ class BlockSizeChoice:
 
 def median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
     """The median wall time of `reps` calls of `fn`, after `warmup` untimed ones."""
+    return interleaved_median_seconds({None: fn}, reps, warmup)[None]
+
+
+def interleaved_median_seconds(fns: dict, reps: int = 5, warmup: int = 0) -> dict:
+    """{key: the median wall time of `reps` calls of fns[key]}, after `warmup` untimed calls of
+    each. The calls are taken in rounds, one of each function per round, so that a machine whose
+    speed drifts while they are timed (a shared CPU does) slows them alike instead of the last."""
     for _ in range(warmup):  # compiled passes: the compile and the CUDA-graph capture are not timed
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {key: [] for key in fns}
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t)
+    return {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
 
 
 @torch.no_grad()
@@ -69,7 +79,7 @@ def choose_block_size(target, drafter, context_len: int,
     checkpoint also has ``walked_tau`` (``eval --eval-stride 1 --save-acceptance``), E(B) is
     that: the loop drafts where its last step ended, after a miss more often than an anchor
     taken at random, so the profile over every anchor overstates E(B), the more the larger B. c(B)
-    is timed here, at `context_len` tokens of context (median of 5), with the linear layers
+    is timed here, at `context_len` tokens of context (median of 5, every B once a round), with the linear layers
     and the cache as :func:`~.loop.spec_generate` runs them (`stream_linears`, `static_cache`: a
     static cache of `static_cache_len` rows, default the context and the trained block; the
     compiled graphs are shaped by it, so spec_generate passes its own. On CUDA every B is
@@ -131,13 +141,12 @@ def choose_block_size(target, drafter, context_len: int,
             rollback(n)
 
         warmup = 3 if runner.compiles else 0
-        expected, seconds, speed = {}, {}, {}
-        for b in sizes:
-            tau = 1 + sum(profile[:b - 1]) if walked is None or b == 1 else walked[b - 2]
-            expected[b] = batch_size * tau
-            draft_s = median_seconds(lambda: draft(b)) if b > 1 else 0.0
-            seconds[b] = draft_s + median_seconds(lambda: verify(b), warmup=warmup)
-            speed[b] = expected[b] / seconds[b]
+        # one step of each B per round: a drift while they are timed favours none of them
+        step = lambda b: (draft(b) if b > 1 else None, verify(b))
+        seconds = interleaved_median_seconds({b: (lambda b=b: step(b)) for b in sizes}, warmup=warmup)
+        expected = {b: batch_size * ((1 + sum(profile[:b - 1])) if walked is None or b == 1 else walked[b - 2])
+                    for b in sizes}
+        speed = {b: expected[b] / seconds[b] for b in sizes}
         best = max(sizes, key=lambda b: speed[b])
         source = "the drafter's held-out acceptance profile" if walked is None else \
             "the drafter's held-out tokens per step as the loop walks"

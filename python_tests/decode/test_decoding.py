@@ -144,6 +144,26 @@ def test_near_the_budget_the_full_trained_block_is_drafted_and_cut(target, monke
         assert all(n <= (B or 8) for n in out.acceptance_lengths)
 
 
+def test_interleaved_timing_takes_one_call_of_each_a_round(monkeypatch):
+    """A machine that slows down while the block sizes are timed slows them alike: the calls
+    run in rounds, one of each per round, after the warm-up rounds."""
+    from dflash_ext.decode import autotune
+
+    now, calls = [0.0], []
+
+    def call(key, cost):  # the k-th call overall takes cost * (1 + 0.1 k): a steady drift
+        calls.append(key)
+        now[0] += cost * (1 + 0.1 * len(calls))
+
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: now[0])
+    medians = autotune.interleaved_median_seconds({"a": lambda: call("a", 1.0), "b": lambda: call("b", 2.0)},
+                                                  reps=3, warmup=1)
+    assert calls == ["a", "b"] * 4
+    # a's timed calls are the 3rd, 5th and 7th (median: the 5th), b's the 4th, 6th and 8th
+    assert medians["a"] == pytest.approx(1.5) and medians["b"] == pytest.approx(2 * 1.6)
+    assert autotune.median_seconds(lambda: call("c", 1.0), reps=1) == pytest.approx(1.9)
+
+
 def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatch):
     from dflash_ext import choose_block_size
     from dflash_ext.decode import autotune, loop
@@ -165,7 +185,8 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     out = spec_generate(target, drafter, PROMPTS[2], 20, block_size="auto")
     assert out.tokens == target_generate(target, PROMPTS[2], 20).tokens
     drafter.acceptance_profile = [0.0] * 7  # drafts never accepted: the target alone is fastest
-    monkeypatch.setattr(autotune, "median_seconds", lambda fn, reps=3, warmup=0: (fn(), 1e-3)[1])  # timing noise out
+    monkeypatch.setattr(autotune, "interleaved_median_seconds",  # timing noise out
+                        lambda fns, reps=3, warmup=0: {b: (fn(), 1e-3)[1] for b, fn in fns.items()})
     assert choose_block_size(target, drafter, 12).block_size == 1
     drafter.acceptance_profile = [0.95 ** j for j in range(1, 8)]  # with flat costs: the longest block
     assert choose_block_size(target, drafter, 12).block_size == 8
