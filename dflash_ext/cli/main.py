@@ -54,8 +54,8 @@ def main(argv=None):
                    help="also run the target alone the fastest way measured here (dtype and linear path) and compare")
     g.add_argument("--repeats", type=positive_int, default=3,
                    help="with --baseline: DFlash and the target alone each run this many times, alternately, and the "
-                        "speedup is the median of the pairs' ratios (a machine's speed drifts from run to run); "
-                        "the text streams once")
+                        "speedup is the median of the pairs' ratios (a machine's speed drifts from run to run; "
+                        "the text streams once; --prompts-file runs its batches once)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target and drafter dtype; auto = with --block-size auto and a trained drafter, the dtype "
                         "in which DFlash is expected fastest here at its best block size (each timed at start), "
