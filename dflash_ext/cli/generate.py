@@ -51,6 +51,11 @@ def _config_name(config) -> str:
     return f"{_name(dtype)} with {'skinny_linear' if stream else 'F.linear'}"
 
 
+def _speedup(base, run) -> float:
+    """How many times faster `run` was than `base` (two generation results); nan for a run that took no time."""
+    return base.total_time / run.total_time if run.total_time else float("nan")
+
+
 def _first_difference(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -167,14 +172,16 @@ def cmd_generate(args):
                   static_cache=args.static_cache)
     if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
         spec_generate(model, drafter, ids, 8, block_size=args.block_size, verify=args.verify, **common)
-    res = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size, verify=args.verify,
-                        generator=torch.Generator().manual_seed(args.seed), on_tokens=_Streamer(tok), **common)
+    # One closure for every timed DFlash run (the streamed one, the repeats, the best drafting B), so all run alike.
+    run_dflash = lambda block_size, on_tokens=None: spec_generate(
+        model, drafter, ids, args.max_new_tokens, block_size=block_size, verify=args.verify,
+        generator=torch.Generator().manual_seed(args.seed), on_tokens=on_tokens, **common)
+    res = run_dflash(args.block_size, on_tokens=_Streamer(tok))
     _print_stats("DFlash" if args.block_size > 1 else "DFlash at block size 1: the target alone, nothing drafted", res)
     report["dflash"] = dict(res.summary(), verify=args.verify if args.temperature > 0 else "greedy")
     drafted = None
     if best_drafting is not None:
-        drafted = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=best_drafting,
-                                verify=args.verify, generator=torch.Generator().manual_seed(args.seed), **common)
+        drafted = run_dflash(best_drafting)
         _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
         report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
@@ -186,15 +193,13 @@ def cmd_generate(args):
         base = run_base()
         _print_stats(f"target alone, the fastest way measured here ({name})", base)
         report["baseline"] = dict(base.summary(), config=name)
-        ratio = lambda r: base.total_time / r.total_time if r.total_time else float("nan")
-        report["speedup"] = ratio(res)
+        report["speedup"] = _speedup(base, res)
         if args.repeats > 1 and args.block_size > 1 and res.acceptance_lengths:
             # The machine's speed drifts between runs: more pairs, run alternately, and their median ratio.
             ratios = [report["speedup"]]
             for _ in range(args.repeats - 1):
-                again = spec_generate(model, drafter, ids, args.max_new_tokens, block_size=args.block_size,
-                                      verify=args.verify, generator=torch.Generator().manual_seed(args.seed), **common)
-                ratios.append(run_base().total_time / again.total_time)
+                again = run_dflash(args.block_size)
+                ratios.append(_speedup(run_base(), again))
             report["speedup_runs"] = ratios
             report["speedup"] = statistics.median(ratios)
         print(f"\n=== {_name(dtype)} on {where}, against the target alone run the fastest way measured here ({name}, "
@@ -216,7 +221,7 @@ def cmd_generate(args):
                   + (" (faster than the baseline: the short timing at start ranked them otherwise; a busy machine?)"
                      if res.total_time < 0.9 * base.total_time else ""), file=sys.stderr)
         if drafted is not None:
-            report["speedup_best_drafting"] = ratio(drafted)
+            report["speedup_best_drafting"] = _speedup(base, drafted)
             print(f"    the drafter at block size {best_drafting} (tau {drafted.tau:.2f}): "
                   f"{drafted.tokens_per_second:.1f} tok/s = {report['speedup_best_drafting']:.2f}x", file=sys.stderr)
         if args.temperature == 0:

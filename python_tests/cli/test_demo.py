@@ -74,19 +74,26 @@ def test_baseline_is_the_fastest_target_alone_measured(tiny_run, capsys):
 @pytest.mark.parametrize("repeats", [1, 3])
 def test_speedup_is_the_median_of_pairs_run_alternately(tiny_run, monkeypatch, capsys, repeats):
     """--repeats N: DFlash and the target alone each run N times (after one warm-up each),
-    alternately, and the speedup is the median of the N pairs' ratios."""
+    alternately, with the same arguments each time, and the speedup is the median of the N pairs' ratios."""
     import dflash_ext.decode.loop
 
-    order = []
+    order, dflash_calls = [], []
     for name in ("spec_generate", "target_generate"):
         real = getattr(dflash_ext.decode.loop, name)
-        spy = lambda *a, _real=real, _name=name, **k: order.append(_name) or _real(*a, **k)
+
+        def spy(*a, _real=real, _name=name, **k):
+            order.append(_name)
+            if _name == "spec_generate":
+                dflash_calls.append((a[3:], {key: v for key, v in k.items() if key not in ("on_tokens", "generator")}))
+            return _real(*a, **k)
         monkeypatch.setattr(dflash_ext.decode.loop, name, spy)
     err, report = tiny_run(capsys, "--dtype", "float32", "--block-size", "4", "--repeats", str(repeats))
     # a warm-up and the streamed run of each, the further pairs, then (where the fastest target alone runs in
     # another dtype) the target alone in DFlash's dtype for the output comparison
     pairs = ["spec_generate"] * 2 + ["target_generate"] * 2 + ["spec_generate", "target_generate"] * (repeats - 1)
     assert order[:len(pairs)] == pairs and order[len(pairs):] in ([], ["target_generate"])
+    timed = dflash_calls[1:]  # after the warm-up: the streamed run, then the repeats
+    assert len(timed) == repeats and all(call == timed[0] for call in timed)
     if repeats == 1:
         assert "speedup_runs" not in report and "pairs run alternately" not in err
     else:
