@@ -6,7 +6,9 @@ maximises expected tokens per second on this machine (:func:`choose_block_size`,
 :func:`interleaved_median_seconds`). (The LM-head padding is timed where
 it is decided, :func:`dflash_ext.ops.linear.lm_head_padding`: the draft step sits below this
 layer.)"""
+import contextlib
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -42,19 +44,25 @@ def median_seconds(fn, reps: int = 5, warmup: int = 0) -> float:
     return interleaved_median_seconds({None: fn}, reps, warmup)[None]
 
 
-def interleaved_median_seconds(fns: dict, reps: int = 5, warmup: int = 0) -> dict:
+def interleaved_median_seconds(fns: dict, reps: int = 5, warmup: int = 0, around: Optional[dict] = None) -> dict:
     """{key: the median wall time of `reps` calls of fns[key]}, after `warmup` untimed calls of
     each. The calls are taken in rounds, one of each function per round, so that a machine whose
-    speed drifts while they are timed (a shared CPU does) slows them alike instead of the last."""
+    speed drifts while they are timed (a shared CPU does) slows them alike instead of the last.
+    `around`: {key: a function returning a context manager} entered, untimed, around each call of
+    fns[key] (a setting that functions on one model cannot hold at once, such as streamed_linears)."""
+    around = around or {}
+    no_context = contextlib.nullcontext
     for _ in range(warmup):  # compiled passes: the compile and the CUDA-graph capture are not timed
-        for fn in fns.values():
-            fn()
+        for key, fn in fns.items():
+            with around.get(key, no_context)():
+                fn()
     times = {key: [] for key in fns}
     for _ in range(reps):
         for key, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t)
+            with around.get(key, no_context)():
+                t = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t)
     return {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
 
 
@@ -154,31 +162,41 @@ def choose_block_size(target, drafter, context_len: int,
 
 
 @torch.no_grad()
+def _one_token_pass(model, ids):
+    """A function that runs one one-token pass of the target after the prompt `ids` (prefilled
+    here, through whatever linear layers are active now) and undoes it, so it can run again."""
+    runner = TargetRunner(model)
+    x = torch.as_tensor([ids], device=runner.device)
+    _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
+    rollback = CacheRollback(cache, 1)  # undoes each timed pass on every cache kind (windows, hybrids)
+
+    def step():
+        runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True, rollback=rollback)
+        rollback(1)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    return step
+
+
 def time_target_alone(model, ids, stream: bool, reps: int = 7) -> float:
     """Seconds of one one-token pass of the target alone after the prompt `ids` (median of
     `reps`, after one untimed), its linear layers through skinny_linear (`stream`) or F.linear."""
     with streamed_linears(model, enabled=stream):
-        runner = TargetRunner(model)
-        x = torch.as_tensor([ids], device=runner.device)
-        _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
-        rollback = CacheRollback(cache, 1)  # undoes each timed pass on every cache kind (windows, hybrids)
-
-        def step():
-            runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True, rollback=rollback)
-            rollback(1)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-
-        step()
-        return median_seconds(step, reps)
+        return median_seconds(_one_token_pass(model, ids), reps, warmup=1)
 
 
-def fastest_target_alone(model, ids, device) -> tuple:
+def fastest_target_alone(model, ids, device, reps: int = 7) -> tuple:
     """({(dtype, stream): seconds per token}, {dtype: model}): the target alone timed in fp32
     and bf16, on the CPU with its linear layers through F.linear and through skinny_linear
-    (which wins depends on the CPU and the dtype: it is measured, never assumed).
-    `model` is the fp32 one; the bf16 copy is made here."""
+    (which wins depends on the CPU and the dtype: it is measured, never assumed). The ways are
+    timed in rounds (:func:`interleaved_median_seconds`), so a drift of the machine's speed
+    cannot rank them. `model` is the fp32 one; the bf16 copy is made here."""
     models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
     streams = (False, True) if torch.device(device).type == "cpu" else (False,)
-    timings = {(dtype, stream): time_target_alone(m, ids, stream) for dtype, m in models.items() for stream in streams}
-    return timings, models
+    ways = [(dtype, stream) for dtype in models for stream in streams]
+    streaming = {way: functools.partial(streamed_linears, models[way[0]], enabled=way[1]) for way in ways}
+    steps = {}
+    for way in ways:
+        with streaming[way]():
+            steps[way] = _one_token_pass(models[way[0]], ids)
+    return interleaved_median_seconds(steps, reps, warmup=1, around=streaming), models

@@ -164,6 +164,35 @@ def test_interleaved_timing_takes_one_call_of_each_a_round(monkeypatch):
     assert autotune.median_seconds(lambda: call("c", 1.0), reps=1) == pytest.approx(1.9)
 
 
+def test_fastest_target_alone_times_the_ways_in_rounds(target, monkeypatch):
+    """The target alone's four ways on the CPU (fp32 / bf16, F.linear / skinny_linear) are timed
+    in rounds, one pass of each a round, each inside its own linear-layer setting (entered and
+    left untimed), so that a drift of the machine's speed cannot rank them."""
+    import contextlib
+
+    from dflash_ext.decode import autotune
+
+    events, real_streamed = [], autotune.streamed_linears
+
+    @contextlib.contextmanager
+    def spy(model, enabled):
+        events.append(("enter", next(model.parameters()).dtype, enabled))
+        with real_streamed(model, enabled=enabled):
+            yield
+        events.append("exit")
+
+    monkeypatch.setattr(autotune, "streamed_linears", spy)
+    real_clock = autotune.time.perf_counter
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: events.append("t") or real_clock())
+    timings, models = autotune.fastest_target_alone(target, PROMPTS[0], "cpu", reps=2)
+    ways = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
+    assert list(timings) == ways and all(t > 0 for t in timings.values())
+    assert models[torch.float32] is target and next(models[torch.bfloat16].parameters()).dtype == torch.bfloat16
+    untimed = [e for way in ways for e in (("enter", *way), "exit")]  # the prefills, then the warm-up round
+    timed = [e for way in ways for e in (("enter", *way), "t", "t", "exit")]
+    assert events == untimed * 2 + timed * 2
+
+
 def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatch):
     from dflash_ext import choose_block_size
     from dflash_ext.decode import autotune, loop
