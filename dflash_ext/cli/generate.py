@@ -243,20 +243,19 @@ def cmd_generate(args):
 def _fastest_dflash(models, load_drafter, context_len: int):
     """--dtype auto with --block-size auto and a trained drafter (one prompt, dynamic cache):
     (dtype, drafter, its BlockSizeChoice, {dtype: (drafter, choice)}) of the dtype where DFlash
-    is expected fastest at its best block size (choose_block_size in each dtype the target
-    alone was timed in: the verify and the draft step cost differently per dtype, so the
-    fastest target alone's dtype need not be DFlash's; the baseline stays the fastest target
-    alone). None where the drafter has no acceptance profile (nothing timed)."""
-    from ..decode.autotune import choose_block_size
+    is expected fastest at its best block size (choose_block_sizes over each dtype the target
+    alone was timed in, all timed in the same rounds: the verify and the draft step cost
+    differently per dtype, so the fastest target alone's dtype need not be DFlash's; the
+    baseline stays the fastest target alone). None where the drafter has no acceptance profile (nothing timed)."""
+    from ..decode.autotune import choose_block_sizes
 
-    raced = {}
+    drafters = {dt: load_drafter(dt) for dt in models}
     for dt, target in models.items():
-        drafter = load_drafter(dt)
-        check_drafter_fits(drafter, target.config)
-        choice = choose_block_size(target, drafter, context_len)
-        if not choice.tokens_per_second:
-            return None
-        raced[dt] = drafter, choice
+        check_drafter_fits(drafters[dt], target.config)
+    choices = choose_block_sizes({dt: (target, drafters[dt]) for dt, target in models.items()}, context_len)
+    if not all(choice.tokens_per_second for choice in choices.values()):
+        return None
+    raced = {dt: (drafters[dt], choices[dt]) for dt in models}
     best = max(raced, key=lambda dt: raced[dt][1].best_tokens_per_second)
     print("[dflash_ext] DFlash expected after this prompt: " + ", ".join(
         f"{_name(dt)} {c.best_tokens_per_second:.1f} tok/s (B={c.block_size})" for dt, (_, c) in raced.items())

@@ -22,7 +22,7 @@ from . import runner as runner_module
 from .rollback import CacheRollback
 from .runner import TargetRunner
 
-__all__ = ["median_seconds", "interleaved_median_seconds", "BlockSizeChoice", "choose_block_size", "time_target_alone", "fastest_target_alone"]
+__all__ = ["median_seconds", "interleaved_median_seconds", "BlockSizeChoice", "choose_block_size", "choose_block_sizes", "time_target_alone", "fastest_target_alone"]
 
 
 @dataclass
@@ -100,65 +100,107 @@ def choose_block_size(target, drafter, context_len: int,
     one batched draft pass and one batched verify pass (which cost more per token than a
     single one: a B chosen alone is not the batch's), so c(B) is timed over `batch_size` rows
     and the expected tokens per second are batch_size * E(B) / c(B)."""
+    return choose_block_sizes({None: (target, drafter)}, context_len, candidates, stream_linears, static_cache,
+                              static_cache_len, batch_size)[None]
+
+
+@torch.no_grad()
+def choose_block_sizes(pairs: dict, context_len: int,
+                       candidates=(1, 2, 3, 4, 6, 8, 10, 12, 16), stream_linears: bool = True,
+                       static_cache: bool = False, static_cache_len: Optional[int] = None,
+                       batch_size: int = 1) -> dict:
+    """{key: BlockSizeChoice} for `pairs` = {key: (target, drafter)}, each pair's block sizes
+    chosen as :func:`choose_block_size` chooses them, the steps of every pair and B timed in the
+    same rounds (the demo's dtypes: a drift of the machine's speed slows every pair alike)."""
     if type(context_len) is not int or context_len < 0:  # bool too
         raise ValueError(f"context_len must be an int >= 0, got {context_len!r}")
     bad = [b for b in candidates if type(b) is not int or b < 1]
     if bad:
         raise ValueError(f"candidates must be block sizes, ints >= 1, got {bad}")
-    trained, timed_context = drafter.config.block_size, max(1, context_len)
     if static_cache_len is not None and not static_cache:  # a size for a cache that is not made
         raise ValueError(f"static_cache_len sizes the static cache: it needs static_cache=True, got "
                          f"static_cache_len={static_cache_len!r} with static_cache={static_cache!r}")
+    settings = {key: functools.partial(streamed_linears, target, drafter, enabled=stream_linears)
+                for key, (target, drafter) in pairs.items()}
+    prepared = {}
+    for key, (target, drafter) in pairs.items():
+        with settings[key]():
+            prepared[key] = _block_size_steps(target, drafter, max(1, context_len), candidates, static_cache,
+                                              static_cache_len, batch_size)
+    timed = {key: p for key, p in prepared.items() if p.steps}
+    # one step of each pair and B per round: a drift while they are timed favours none of them
+    seconds = interleaved_median_seconds({(key, b): fn for key, p in timed.items() for b, fn in p.steps.items()},
+                                         warmup=max((p.warmup for p in timed.values()), default=0),
+                                         around={(key, b): settings[key] for key, p in timed.items() for b in p.steps})
+    choices = {}
+    for key, p in prepared.items():
+        if not p.steps:
+            choices[key] = BlockSizeChoice(p.trained, {}, {}, {}, p.source)
+            continue
+        step_seconds = {b: seconds[key, b] for b in p.steps}
+        speed = {b: p.expected[b] / step_seconds[b] for b in p.steps}
+        choices[key] = BlockSizeChoice(max(p.steps, key=lambda b: speed[b]), p.expected, step_seconds, speed, p.source)
+    return choices
+
+
+@dataclass
+class _BlockSizeSteps:
+    trained: int
+    source: str
+    expected: dict = None   # B -> expected tokens per step
+    steps: dict = None      # B -> one draft + verify step on the prefilled context (none: nothing to time)
+    warmup: int = 0
+
+
+def _block_size_steps(target, drafter, context_len: int, candidates, static_cache: bool,
+                      static_cache_len: Optional[int], batch_size: int) -> _BlockSizeSteps:
+    """choose_block_size's expected tokens per step and its timed steps for one pair, on a
+    random prefilled context of `context_len` tokens; run inside the pair's linear-layer setting."""
+    trained = drafter.config.block_size
     if static_cache_len is not None and (type(static_cache_len) is not int
-                                         or static_cache_len < timed_context + trained):
+                                         or static_cache_len < context_len + trained):
         raise ValueError(f"static_cache_len must be an int >= the timed context and one trained block "
-                         f"({timed_context} + {trained} = {timed_context + trained} rows: the timed passes verify "
+                         f"({context_len} + {trained} = {context_len + trained} rows: the timed passes verify "
                          f"up to {trained} tokens after the context), got {static_cache_len!r}")
-    with streamed_linears(target, drafter, enabled=stream_linears):
-        profile = getattr(drafter, "acceptance_profile", None)
-        sizes = sorted({b for b in candidates if b <= trained} | {trained})
-        if not profile:
-            return BlockSizeChoice(trained, {}, {}, {}, "none (no acceptance profile: the trained block size)")
-        walked = getattr(drafter, "walked_tau", None)
-        if walked is not None and len(walked) != trained - 1:  # set by hand: a loaded one is checked
-            raise ValueError(f"drafter.walked_tau must hold block_size - 1 = {trained - 1} tokens per step (verify "
-                             f"B = 2..{trained}), got {len(walked)}")
-        runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=sizes if static_cache else ())
-        if runner.compiles:
-            sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
-        vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
-        context_len = timed_context
-        rows = list(range(batch_size))
-        context = torch.randint(0, vocab, (batch_size, context_len), device=runner.device)
-        # The verified tokens follow the context (a prompt may be shorter than the block).
-        block = torch.randint(0, vocab, (batch_size, trained), device=runner.device)
-        cache = runner_module.static_cache(target, static_cache_len or context_len + trained) if static_cache else None
-        _, feats, cache = runner(context, cache)
-        rollback = CacheRollback(cache, max(sizes))
-        proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1, batch_size=batch_size)
-        for r in rows:
-            proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device), seq=r, index=r)
+    profile = getattr(drafter, "acceptance_profile", None)
+    sizes = sorted({b for b in candidates if b <= trained} | {trained})
+    if not profile:
+        return _BlockSizeSteps(trained, "none (no acceptance profile: the trained block size)")
+    walked = getattr(drafter, "walked_tau", None)
+    if walked is not None and len(walked) != trained - 1:  # set by hand: a loaded one is checked
+        raise ValueError(f"drafter.walked_tau must hold block_size - 1 = {trained - 1} tokens per step (verify "
+                         f"B = 2..{trained}), got {len(walked)}")
+    runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=sizes if static_cache else ())
+    if runner.compiles:
+        sizes = [b for b in sizes if b & (b - 1) == 0 or b == trained]
+    vocab = target_text_config(target.config).vocab_size  # a composite config keeps it in its text part
+    rows = list(range(batch_size))
+    context = torch.randint(0, vocab, (batch_size, context_len), device=runner.device)
+    # The verified tokens follow the context (a prompt may be shorter than the block).
+    block = torch.randint(0, vocab, (batch_size, trained), device=runner.device)
+    cache = runner_module.static_cache(target, static_cache_len or context_len + trained) if static_cache else None
+    _, feats, cache = runner(context, cache)
+    rollback = CacheRollback(cache, max(sizes))
+    proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1, batch_size=batch_size)
+    for r in rows:
+        proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device), seq=r, index=r)
 
-        def draft(b):
-            if batch_size == 1:
-                return proposer.propose(1, context_len, b - 1)
-            return proposer.propose_rows(rows, [1] * batch_size, [context_len] * batch_size, b - 1)
+    def draft(b):
+        if batch_size == 1:
+            return proposer.propose(1, context_len, b - 1)
+        return proposer.propose_rows(rows, [1] * batch_size, [context_len] * batch_size, b - 1)
 
-        def verify(n):  # a pass over n tokens that are all rejected: the rollback is part of the step
-            runner(block[:, :n], cache, hidden_states=n > 1, rollback=rollback)
-            rollback(n)
+    def verify(n):  # a pass over n tokens that are all rejected: the rollback is part of the step
+        runner(block[:, :n], cache, hidden_states=n > 1, rollback=rollback)
+        rollback(n)
 
-        warmup = 3 if runner.compiles else 0
-        # one step of each B per round: a drift while they are timed favours none of them
-        step = lambda b: (draft(b) if b > 1 else None, verify(b))
-        seconds = interleaved_median_seconds({b: (lambda b=b: step(b)) for b in sizes}, warmup=warmup)
-        expected = {b: batch_size * ((1 + sum(profile[:b - 1])) if walked is None or b == 1 else walked[b - 2])
-                    for b in sizes}
-        speed = {b: expected[b] / seconds[b] for b in sizes}
-        best = max(sizes, key=lambda b: speed[b])
-        source = "the drafter's held-out acceptance profile" if walked is None else \
-            "the drafter's held-out tokens per step as the loop walks"
-        return BlockSizeChoice(best, expected, seconds, speed, source)
+    step = lambda b: (draft(b) if b > 1 else None, verify(b))
+    expected = {b: batch_size * ((1 + sum(profile[:b - 1])) if walked is None or b == 1 else walked[b - 2])
+                for b in sizes}
+    source = "the drafter's held-out acceptance profile" if walked is None else \
+        "the drafter's held-out tokens per step as the loop walks"
+    return _BlockSizeSteps(trained, source, expected, {b: (lambda b=b: step(b)) for b in sizes},
+                           warmup=3 if runner.compiles else 0)
 
 
 @torch.no_grad()

@@ -131,7 +131,13 @@ def test_auto_dtype_is_where_dflash_is_expected_fastest(monkeypatch, tmp_path, c
         speeds = {1: 10.0, 2: 12.0, 3: 15.0} if best == 3 else {1: 10.0, 2: 11.0, 3: 9.0}
         return BlockSizeChoice(best, {1: 1.0, 2: 1.5, 3: 1.8}, {b: 0.1 for b in speeds}, speeds, "a test's")
 
-    monkeypatch.setattr(dflash_ext.decode.autotune, "choose_block_size", choose)
+    races = []
+
+    def choose_all(pairs, context_len, **kwargs):  # every dtype in one call: timed in the same rounds
+        races.append(len(pairs))
+        return {key: choose(target, drafter, context_len) for key, (target, drafter) in pairs.items()}
+
+    monkeypatch.setattr(dflash_ext.decode.autotune, "choose_block_sizes", choose_all)
     drafter = DFlashDrafter.from_target(tiny_target_config(), num_layers=1, block_size=3)
     drafter.save_pretrained(tmp_path / "drafter")
     out = tmp_path / "report.json"
@@ -139,6 +145,7 @@ def test_auto_dtype_is_where_dflash_is_expected_fastest(monkeypatch, tmp_path, c
           "1", "--dtype", "auto", "--json", str(out)])
     err, report = capsys.readouterr().err, json.loads(out.read_text())
     assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32"]  # timed once per dtype, not again
+    assert races == [2]
     assert report["dtype"] == dflash_fastest and report["dflash"]["block_size"] == 3
     assert report["baseline"]["config"] == "bfloat16 with skinny_linear"  # the fastest target alone still
     assert report["dflash_expected_tokens_per_second"] == {dflash_fastest: 15.0,

@@ -193,6 +193,41 @@ def test_fastest_target_alone_times_the_ways_in_rounds(target, monkeypatch):
     assert events == untimed * 2 + timed * 2
 
 
+def test_block_sizes_of_several_pairs_are_timed_in_the_same_rounds(target, monkeypatch):
+    """choose_block_sizes (the demo's dtype race): one timing over every (pair, B), each step in
+    its own pair's linear-layer setting; each pair's choice is its own fastest expected B."""
+    import copy
+
+    from dflash_ext.decode import autotune
+
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+    drafter.acceptance_profile = [0.9, 0.8, 0.7]
+    pairs = {"fp32": (target, drafter),
+             "bf16": (copy.deepcopy(target).to(torch.bfloat16), copy.deepcopy(drafter).to(torch.bfloat16))}
+    timings = []
+
+    def timing(fns, reps=5, warmup=0, around=None):
+        timings.append(sorted(fns))
+        patched = {}
+        for key, fn in fns.items():
+            with around[key]():
+                fn()
+                patched[key] = {name for name, (t, _) in pairs.items()
+                                if "forward" in t.lm_head.__dict__}  # streamed_linears patches a linear's forward
+        assert all(patched[key] == {key[0] or "fp32"} for key in fns), patched  # None: choose_block_size's one
+        return {key: {"fp32": 1.0, "bf16": 2.0, None: 1.0}[key[0]] * (1 + 0.1 * key[1]) for key in fns}
+
+    monkeypatch.setattr(autotune, "interleaved_median_seconds", timing)
+    choices = autotune.choose_block_sizes(pairs, 12)
+    assert timings == [sorted((name, b) for name in pairs for b in (1, 2, 3, 4))]  # one timing of all
+    for name, scale in (("fp32", 1.0), ("bf16", 2.0)):
+        c = choices[name]
+        assert c.step_seconds == {b: pytest.approx(scale * (1 + 0.1 * b)) for b in (1, 2, 3, 4)}
+        assert c.block_size == max(c.tokens_per_second, key=c.tokens_per_second.get) == 4
+    assert choices["fp32"].best_tokens_per_second == pytest.approx(2 * choices["bf16"].best_tokens_per_second)
+    assert autotune.choose_block_size(target, drafter, 12).step_seconds == choices["fp32"].step_seconds
+
+
 def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatch):
     from dflash_ext import choose_block_size
     from dflash_ext.decode import autotune, loop
@@ -215,7 +250,7 @@ def test_auto_block_size_maximises_expected_tokens_per_second(target, monkeypatc
     assert out.tokens == target_generate(target, PROMPTS[2], 20).tokens
     drafter.acceptance_profile = [0.0] * 7  # drafts never accepted: the target alone is fastest
     monkeypatch.setattr(autotune, "interleaved_median_seconds",  # timing noise out
-                        lambda fns, reps=3, warmup=0: {b: (fn(), 1e-3)[1] for b, fn in fns.items()})
+                        lambda fns, reps=3, warmup=0, around=None: {b: (fn(), 1e-3)[1] for b, fn in fns.items()})
     assert choose_block_size(target, drafter, 12).block_size == 1
     drafter.acceptance_profile = [0.95 ** j for j in range(1, 8)]  # with flat costs: the longest block
     assert choose_block_size(target, drafter, 12).block_size == 8

@@ -219,7 +219,7 @@ def test_compiled_auto_block_size_times_powers_of_two_on_the_generation_s_cache(
     drafter.acceptance_profile = [0.9] * 7
     monkeypatch.setattr(target_module, "compiled_call", lambda model: CountingCall(model))
     monkeypatch.setattr(autotune, "interleaved_median_seconds",  # B = 8: no noise
-                        lambda fns, reps=5, warmup=0: {b: (fn(), 1e-3)[1] for b, fn in fns.items()})
+                        lambda fns, reps=5, warmup=0, around=None: {b: (fn(), 1e-3)[1] for b, fn in fns.items()})
     lengths, real = [], target_module.static_cache
     monkeypatch.setattr(target_module, "static_cache", lambda model, rows: (lengths.append(rows), real(model, rows))[1])
     assert set(choose_block_size(target, drafter, 12, static_cache=True).step_seconds) == {1, 2, 4, 8}
