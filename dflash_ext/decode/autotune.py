@@ -212,6 +212,7 @@ def _one_token_pass(model, ids):
     _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
     rollback = CacheRollback(cache, 1)  # undoes each timed pass on every cache kind (windows, hybrids)
 
+    @torch.no_grad()  # it runs later, outside this function: with grad on, the linears would not stream
     def step():
         runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True, rollback=rollback)
         rollback(1)

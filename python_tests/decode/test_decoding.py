@@ -183,8 +183,16 @@ def test_fastest_target_alone_times_the_ways_in_rounds(target, monkeypatch):
 
     monkeypatch.setattr(autotune, "streamed_linears", spy)
     real_clock = autotune.time.perf_counter
+    grad_in_timed_passes = []
     monkeypatch.setattr(autotune.time, "perf_counter", lambda: events.append("t") or real_clock())
+    from dflash_ext.ops import linear as linear_module  # linear_rows: what a streamed layer runs
+
+    real_linear_rows = linear_module.linear_rows
+    monkeypatch.setattr(linear_module, "linear_rows", lambda layer, x: (
+        grad_in_timed_passes.append(torch.is_grad_enabled()), real_linear_rows(layer, x))[1])
     timings, models = autotune.fastest_target_alone(target, PROMPTS[0], "cpu", reps=2)
+    # a pass with grad on would keep every linear on F.linear (skinny_linear has no backward)
+    assert grad_in_timed_passes and not any(grad_in_timed_passes)
     ways = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
     assert list(timings) == ways and all(t > 0 for t in timings.values())
     assert models[torch.float32] is target and next(models[torch.bfloat16].parameters()).dtype == torch.bfloat16
