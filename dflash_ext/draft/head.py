@@ -11,6 +11,7 @@ from torch import nn
 
 from ..model.layers import CandidateSelector
 from ..ops.linear import lm_head_linear
+from .sampling import greedy_token
 
 __all__ = ["block_embedding", "vocab_head", "draft_logits", "draft_tokens"]
 
@@ -78,5 +79,5 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     logits = draft_logits(hidden, weight, bias, n)
     if selector is not None:
         return selector(hidden[:, 1:n + 1], logits, anchor, vocab)
-    best = logits.argmax(-1)
+    best = greedy_token(logits)
     return best if vocab is None else vocab[best]

@@ -16,7 +16,7 @@ import torch
 
 from ..model.layers import CandidateSelector
 
-__all__ = ["process_logits", "sample_token", "Draft", "split_draft", "sample_draft"]
+__all__ = ["process_logits", "greedy_token", "sample_token", "Draft", "split_draft", "sample_draft"]
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -41,6 +41,16 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     return logits
 
 
+def greedy_token(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dim of ``logits [..., V]``. On the CPU, bf16/fp16 logits are
+    widened to float32 first: the same index (the widening is exact, and ties resolve to the
+    first maximum either way), found faster than by ATen's low-precision CPU argmax (which
+    the greedy loop would pay on every verify block of the target's full vocabulary)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """One index per row of ``probs [..., V]`` (any leading shape)."""
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
@@ -51,7 +61,7 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
     """One token per row of ``logits [..., V]``: argmax at temperature 0, else a sample of the
     :func:`process_logits` distribution."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        return greedy_token(logits)
     return _sample(process_logits(logits, temperature, top_k, top_p).softmax(-1), generator)
 
 
