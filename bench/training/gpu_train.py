@@ -31,7 +31,6 @@ Not verified on a GPU yet (no device in the session that wrote it): tested end t
 CPU with a tiny target (python_tests/training/test_gpu_train.py).
 """
 import argparse
-import copy
 import gzip
 import json
 import os
@@ -297,6 +296,7 @@ def _write_json(path: str, obj) -> None:
 def run(args) -> dict:
     """The whole GPU run (module docstring); returns what it writes to gpu_train.json."""
     from dflash_ext import DFlashDrafter, load_target
+    from dflash_ext.model.pretrained import cast_target
     from dflash_ext.training.data import load_records
     from dflash_ext.training.trainer import train
 
@@ -332,7 +332,7 @@ def run(args) -> dict:
     target, _ = load_target(args.target, dtype=torch.float32, device=device, tokenizer=False)
     result["target_load_s"] = round(time.time() - t, 1)
     log(f"[gpu_train] target loaded in {result['target_load_s']} s; {len(prompts)} prompts, {heldout_n} held-out records")
-    gen_target = copy.deepcopy(target).to(torch.bfloat16) if args.gen_dtype == "bfloat16" else target
+    gen_target = cast_target(target, torch.bfloat16) if args.gen_dtype == "bfloat16" else target
     gen = Generator(gen_target, batches_by_length(prompts, args.gen_batch, args.seed), os.path.join(work, "gen"),
                     meta["eos_token_id"], meta["pad_token_id"], args.max_new_tokens, device)
 

@@ -1,6 +1,5 @@
 """``python -m dflash_ext generate`` (speculative generation, streamed, with statistics and
 the comparison with the target alone) and ``info``."""
-import copy
 import json
 import os
 import statistics
@@ -79,7 +78,7 @@ def cmd_generate(args):
     from ..decode.autotune import choose_block_size
     from ..decode.loop import spec_generate, target_generate
     from ..model.drafter import DFlashDrafter
-    from ..model.pretrained import MissingPackage, default_drafter_path, load_target
+    from ..model.pretrained import MissingPackage, cast_target, default_drafter_path, load_target
     from ..ops.hardware import cpu_description
 
     torch.set_num_threads(args.threads)
@@ -119,8 +118,8 @@ def cmd_generate(args):
                 how = "auto: where DFlash is expected fastest, above"
                 report["dflash_expected_tokens_per_second"] = {
                     _name(dt): c.best_tokens_per_second for dt, (_, c) in by_dtype.items()}
-        if dtype not in models:  # e.g. float16 asked for: a copy (.to() would convert the fp32 one in place)
-            models[dtype] = copy.deepcopy(model).to(dtype)
+        if dtype not in models:  # e.g. float16 asked for: a copy in it (the fp32 one stays)
+            models[dtype] = cast_target(model, dtype)
         model = models[dtype]
     else:
         dtype = getattr(torch, args.dtype)

@@ -7,7 +7,6 @@ maximises expected tokens per second on this machine (:func:`choose_block_size`,
 it is decided, :func:`dflash_ext.ops.linear.lm_head_padding`: the draft step sits below this
 layer.)"""
 import contextlib
-import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import torch
 
 from ..draft.proposer import DFlashProposer
 from ..model.config import target_text_config
+from ..model.pretrained import cast_target
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
 from .rollback import CacheRollback
@@ -234,7 +234,7 @@ def fastest_target_alone(model, ids, device, reps: int = 7) -> tuple:
     (which wins depends on the CPU and the dtype: it is measured, never assumed). The ways are
     timed in rounds (:func:`interleaved_median_seconds`), so a drift of the machine's speed
     cannot rank them. `model` is the fp32 one; the bf16 copy is made here."""
-    models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
+    models = {torch.float32: model, torch.bfloat16: cast_target(model, torch.bfloat16)}
     streams = (False, True) if torch.device(device).type == "cpu" else (False,)
     ways = [(dtype, stream) for dtype in models for stream in streams]
     streaming = {way: functools.partial(streamed_linears, models[way[0]], enabled=way[1]) for way in ways}

