@@ -41,6 +41,11 @@ def _print_stats(name, res):
               f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
 
 
+# The target alone's ways whose one-token pass timed within this factor of the fastest way's all run in the
+# demo's timed pairs (bf16 and fp32 through skinny_linear are ~10 % apart on an EPYC with bf16 units).
+_CONTENDER_MARGIN = 1.25
+
+
 def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -184,22 +189,38 @@ def cmd_generate(args):
         _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
         report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
-        base_dtype, base_stream = fastest
-        name = _config_name(fastest)
-        target_generate(models[base_dtype], ids, 8, stream_linears=base_stream, **common)  # warm-up
-        run_base = lambda: target_generate(models[base_dtype], ids, args.max_new_tokens, stream_linears=base_stream,
-                                           generator=torch.Generator().manual_seed(args.seed), **common)
-        base = run_base()
-        _print_stats(f"target alone, the fastest way measured here ({name})", base)
+        # Every way whose pass timed close to the fastest runs in each pair, the pair's baseline the fastest of
+        # them: a slow moment during the short pass timing cannot make a slower way the baseline.
+        contenders = [way for way in sorted(timings, key=timings.get)
+                      if timings[way] <= _CONTENDER_MARGIN * timings[fastest]]
+        for dt, stream in contenders:  # warm-ups
+            target_generate(models[dt], ids, 8, stream_linears=stream, **common)
+
+        def run_base():
+            """(way, result) of the fastest of one run of each contender."""
+            runs = {(dt, stream): target_generate(models[dt], ids, args.max_new_tokens, stream_linears=stream,
+                                                  generator=torch.Generator().manual_seed(args.seed), **common)
+                    for dt, stream in contenders}
+            way = min(runs, key=lambda w: runs[w].total_time)
+            return way, runs[way]
+
+        (base_dtype, base_stream), base = run_base()
+        name = _config_name((base_dtype, base_stream))
+        _print_stats(f"target alone, the fastest way measured here ({name}"
+                     + (f"; of {', '.join(map(_config_name, contenders))}, each run once" if len(contenders) > 1
+                        else "") + ")", base)
         report["baseline"] = dict(base.summary(), config=name)
+        report["baseline_contenders"] = [_config_name(way) for way in contenders]
         report["speedup"] = _speedup(base, res)
         if args.repeats > 1 and args.block_size > 1 and res.acceptance_lengths:
             # The machine's speed drifts between runs: more pairs, run alternately, and their median ratio.
-            ratios = [report["speedup"]]
+            ratios, winners = [report["speedup"]], [name]
             for _ in range(args.repeats - 1):
                 again = run_dflash(args.block_size)
-                ratios.append(_speedup(run_base(), again))
-            report["speedup_runs"] = ratios
+                way, again_base = run_base()
+                ratios.append(_speedup(again_base, again))
+                winners.append(_config_name(way))
+            report["speedup_runs"], report["baseline_runs"] = ratios, winners
             report["speedup"] = statistics.median(ratios)
         print(f"\n=== {_name(dtype)} on {where}, against the target alone run the fastest way measured here ({name}, "
               f"{base.tokens_per_second:.1f} tok/s):", file=sys.stderr)
