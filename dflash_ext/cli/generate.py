@@ -41,9 +41,24 @@ def _print_stats(name, res):
               f"other {1e3 * s['other_s'] / steps:.1f} ms", file=sys.stderr)
 
 
-# The target alone's ways whose one-token pass timed within this factor of the fastest way's all run in the
-# demo's timed pairs (bf16 and fp32 through skinny_linear are ~10 % apart on an EPYC with bf16 units).
+# The target alone's ways whose one-token pass timed within this factor of the fastest way's all run wherever
+# --baseline times it (bf16 and fp32 through skinny_linear are ~10 % apart on an EPYC with bf16 units).
 _CONTENDER_MARGIN = 1.25
+
+
+def _contenders(timings: dict) -> list:
+    """The target alone's ways (dtype, streamed) whose one-token pass timed within _CONTENDER_MARGIN of the
+    fastest, fastest first. All of them run wherever the baseline is timed, and the baseline is the fastest
+    run: a slow moment during the short pass timing cannot make a slower way the baseline."""
+    best = min(timings.values())
+    return [way for way in sorted(timings, key=timings.get) if timings[way] <= _CONTENDER_MARGIN * best]
+
+
+def _fastest_run(contenders, run, seconds) -> tuple:
+    """(way, result) of the fastest of one `run(way)` per contender, `seconds(result)` its time."""
+    runs = {way: run(way) for way in contenders}
+    way = min(runs, key=lambda w: seconds(runs[w]))
+    return way, runs[way]
 
 
 def _name(dtype) -> str:
@@ -154,7 +169,7 @@ def cmd_generate(args):
         if args.static_cache:
             raise UsageError("argument --static-cache: it decodes one prompt; --prompts-file decodes batches on the "
                              "dynamic cache")
-        baseline = (models[fastest[0]], fastest[1], _config_name(fastest)) if args.baseline else None
+        baseline = (models, _contenders(timings)) if args.baseline else None
         return _generate_many(args, model, tok, drafter, many, stops, baseline, report)
     best_drafting = None  # the best B > 1 where the rule chose B = 1
     if args.block_size == "auto":
@@ -189,20 +204,12 @@ def cmd_generate(args):
         _print_stats(f"the drafter at block size {best_drafting} (its best B > 1; not chosen)", drafted)
         report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
-        # Every way whose pass timed close to the fastest runs in each pair, the pair's baseline the fastest of
-        # them: a slow moment during the short pass timing cannot make a slower way the baseline.
-        contenders = [way for way in sorted(timings, key=timings.get)
-                      if timings[way] <= _CONTENDER_MARGIN * timings[fastest]]
+        contenders = _contenders(timings)  # each runs in every pair, the pair's baseline the fastest run
         for dt, stream in contenders:  # warm-ups
             target_generate(models[dt], ids, 8, stream_linears=stream, **common)
-
-        def run_base():
-            """(way, result) of the fastest of one run of each contender."""
-            runs = {(dt, stream): target_generate(models[dt], ids, args.max_new_tokens, stream_linears=stream,
-                                                  generator=torch.Generator().manual_seed(args.seed), **common)
-                    for dt, stream in contenders}
-            way = min(runs, key=lambda w: runs[w].total_time)
-            return way, runs[way]
+        run_base = lambda: _fastest_run(contenders, lambda way: target_generate(
+            models[way[0]], ids, args.max_new_tokens, stream_linears=way[1],
+            generator=torch.Generator().manual_seed(args.seed), **common), seconds=lambda r: r.total_time)
 
         (base_dtype, base_stream), base = run_base()
         name = _config_name((base_dtype, base_stream))
@@ -317,10 +324,13 @@ def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, repo
         args.block_size = choice.block_size
         print(f"[dflash_ext] block size auto -> {choice.block_size} for batches of {size} (profile: "
               f"{choice.profile_source})", file=sys.stderr)
-    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
-                  generator=torch.Generator().manual_seed(args.seed))
+    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
+    seeded = lambda: torch.Generator().manual_seed(args.seed)
+    if baseline is not None:  # untimed warm-up, so that the timed run pays no first-call costs
+        spec_generate(model, drafter, prompts_ids[:size], 8, block_size=args.block_size, verify=args.verify, **common)
     results, wall = _run_batches(lambda chunk: spec_generate(model, drafter, chunk, args.max_new_tokens,
-                                                             block_size=args.block_size, verify=args.verify, **common),
+                                                             block_size=args.block_size, verify=args.verify,
+                                                             generator=seeded(), **common),
                                  prompts_ids, size)
     texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in results]
     for i, text in enumerate(texts):
@@ -332,21 +342,27 @@ def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, repo
     print(f"\n--- DFlash: {summary['prompts']} prompts in batches of {size}, block size {args.block_size}: "
           f"{summary['new_tokens']} tokens in {wall:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
           f"tau {summary['tau']:.2f}", file=sys.stderr)
-    if baseline is not None:
-        base_model, stream, name = baseline
-        common["generator"] = torch.Generator().manual_seed(args.seed)
-        base, base_wall = _run_batches(lambda chunk: target_generate(base_model, chunk, args.max_new_tokens,
-                                                                     stream_linears=stream, **common),
-                                       prompts_ids, size)
+    if baseline is not None:  # as for one prompt: every way timed close to the fastest, the fastest run
+        models, contenders = baseline
+        for dt, stream in contenders:  # warm-ups
+            target_generate(models[dt], prompts_ids[:size], 8, stream_linears=stream, **common)
+        (base_dtype, stream), (base, base_wall) = _fastest_run(contenders, lambda way: _run_batches(
+            lambda chunk: target_generate(models[way[0]], chunk, args.max_new_tokens, stream_linears=way[1],
+                                          generator=seeded(), **common), prompts_ids, size), seconds=lambda r: r[1])
+        name = _config_name((base_dtype, stream))
         report["baseline"] = dict(_batch_summary(base, base_wall, size), config=name)
+        report["baseline_contenders"] = [_config_name(way) for way in contenders]
         report["speedup"] = base_wall / wall if wall > 0 else None
         reference = base  # compared like with like: the target alone in DFlash's dtype (as one prompt is)
-        if args.temperature == 0 and next(base_model.parameters()).dtype != next(model.parameters()).dtype:
-            reference, _ = _run_batches(lambda chunk: target_generate(model, chunk, args.max_new_tokens, **common),
+        if args.temperature == 0 and base_dtype != next(model.parameters()).dtype:
+            reference, _ = _run_batches(lambda chunk: target_generate(model, chunk, args.max_new_tokens,
+                                                                      generator=seeded(), **common),
                                         prompts_ids, size)
         same = [r.tokens == b.tokens for r, b in zip(results, reference)]
         report["identical_to_baseline"] = same if args.temperature == 0 else None
-        print(f"--- target alone ({name}), the same batches: {report['baseline']['tokens_per_second']:.1f} tok/s; "
+        print(f"--- target alone ({name}" + (f"; the fastest of {', '.join(report['baseline_contenders'])}"
+                                               if len(contenders) > 1 else "")
+              + f"), the same batches: {report['baseline']['tokens_per_second']:.1f} tok/s; "
               f"DFlash {report['speedup']:.2f}x" + (f"; outputs identical: {sum(same)} of {len(same)}"
                                                      if args.temperature == 0 else ""), file=sys.stderr)
     if args.json:
