@@ -55,10 +55,26 @@ def _contenders(timings: dict) -> list:
 
 
 def _fastest_run(contenders, run, seconds) -> tuple:
-    """(way, result) of the fastest of one `run(way)` per contender, `seconds(result)` its time."""
+    """(way, result, every run by way) of the fastest of one `run(way)` per contender, `seconds(result)` its
+    time (every run: the output comparison reuses the run in DFlash's dtype where one was made)."""
     runs = {way: run(way) for way in contenders}
     way = min(runs, key=lambda w: seconds(runs[w]))
-    return way, runs[way]
+    return way, runs[way], runs
+
+
+def _warm_up(models, contenders, prompt, common) -> None:
+    """One short untimed run of every contender (a prompt's ids or a batch of them), so that no timed run
+    pays first-call costs."""
+    from ..decode.loop import target_generate
+
+    for dtype, stream in contenders:
+        target_generate(models[dtype], prompt, 8, stream_linears=stream, **common)
+
+
+def _reference_run(runs, dtype, run):
+    """The target alone in DFlash's `dtype` through F.linear (as HF `generate` runs it), what DFlash's
+    output is compared with: the baseline's run of that way where it made one, else `run()`."""
+    return runs[(dtype, False)] if (dtype, False) in runs else run()
 
 
 def _name(dtype) -> str:
@@ -205,14 +221,13 @@ def cmd_generate(args):
         report["dflash_best_drafting"] = drafted.summary()
     if args.baseline:
         contenders = _contenders(timings)  # each runs in every pair, the pair's baseline the fastest run
-        for dt, stream in contenders:  # warm-ups
-            target_generate(models[dt], ids, 8, stream_linears=stream, **common)
+        _warm_up(models, contenders, ids, common)
         run_base = lambda: _fastest_run(contenders, lambda way: target_generate(
             models[way[0]], ids, args.max_new_tokens, stream_linears=way[1],
             generator=torch.Generator().manual_seed(args.seed), **common), seconds=lambda r: r.total_time)
 
-        (base_dtype, base_stream), base = run_base()
-        name = _config_name((base_dtype, base_stream))
+        base_way, base, first_runs = run_base()
+        name = _config_name(base_way)
         _print_stats(f"target alone, the fastest way measured here ({name}"
                      + (f"; of {', '.join(map(_config_name, contenders))}, each run once" if len(contenders) > 1
                         else "") + ")", base)
@@ -224,7 +239,7 @@ def cmd_generate(args):
             ratios, winners = [report["speedup"]], [name]
             for _ in range(args.repeats - 1):
                 again = run_dflash(args.block_size)
-                way, again_base = run_base()
+                way, again_base, _ = run_base()
                 ratios.append(_speedup(again_base, again))
                 winners.append(_config_name(way))
             report["speedup_runs"], report["baseline_runs"] = ratios, winners
@@ -253,8 +268,9 @@ def cmd_generate(args):
                   f"{drafted.tokens_per_second:.1f} tok/s = {report['speedup_best_drafting']:.2f}x", file=sys.stderr)
         if args.temperature == 0:
             reference, ref_name = base, name
-            if base_dtype != dtype:  # compare like with like: the target alone in DFlash's dtype
-                reference = target_generate(model, ids, args.max_new_tokens, **common)
+            if base_way[0] != dtype:  # compare like with like: the target alone in DFlash's dtype
+                reference = _reference_run(first_runs, dtype, lambda: target_generate(
+                    model, ids, args.max_new_tokens, **common))
                 ref_name = _config_name((dtype, False))
             same, line = _same_output_line(res, reference, dtype, ref_name)
             report["identical_to_baseline"] = same
@@ -344,20 +360,19 @@ def _generate_many(args, model, tok, drafter, prompts_ids, stops, baseline, repo
           f"tau {summary['tau']:.2f}", file=sys.stderr)
     if baseline is not None:  # as for one prompt: every way timed close to the fastest, the fastest run
         models, contenders = baseline
-        for dt, stream in contenders:  # warm-ups
-            target_generate(models[dt], prompts_ids[:size], 8, stream_linears=stream, **common)
-        (base_dtype, stream), (base, base_wall) = _fastest_run(contenders, lambda way: _run_batches(
+        _warm_up(models, contenders, prompts_ids[:size], common)
+        base_way, (base, base_wall), runs = _fastest_run(contenders, lambda way: _run_batches(
             lambda chunk: target_generate(models[way[0]], chunk, args.max_new_tokens, stream_linears=way[1],
                                           generator=seeded(), **common), prompts_ids, size), seconds=lambda r: r[1])
-        name = _config_name((base_dtype, stream))
+        name = _config_name(base_way)
         report["baseline"] = dict(_batch_summary(base, base_wall, size), config=name)
         report["baseline_contenders"] = [_config_name(way) for way in contenders]
         report["speedup"] = base_wall / wall if wall > 0 else None
         reference = base  # compared like with like: the target alone in DFlash's dtype (as one prompt is)
-        if args.temperature == 0 and base_dtype != next(model.parameters()).dtype:
-            reference, _ = _run_batches(lambda chunk: target_generate(model, chunk, args.max_new_tokens,
-                                                                      generator=seeded(), **common),
-                                        prompts_ids, size)
+        dtype = next(model.parameters()).dtype
+        if args.temperature == 0 and base_way[0] != dtype:
+            reference, _ = _reference_run(runs, dtype, lambda: _run_batches(lambda chunk: target_generate(
+                model, chunk, args.max_new_tokens, generator=seeded(), **common), prompts_ids, size))
         same = [r.tokens == b.tokens for r, b in zip(results, reference)]
         report["identical_to_baseline"] = same if args.temperature == 0 else None
         print(f"--- target alone ({name}" + (f"; the fastest of {', '.join(report['baseline_contenders'])}"

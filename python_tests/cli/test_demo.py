@@ -313,3 +313,39 @@ def test_a_prompts_file_baseline_is_the_fastest_run_of_the_ways_timed_close(monk
     assert report["baseline"]["config"] == "float32 with skinny_linear"
     assert report["identical_to_baseline"] == [True] * 3
     assert "the fastest of float32 with F.linear, float32 with skinny_linear" in err
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_the_output_comparison_reuses_the_baselines_run_in_dflash_dtype(tiny_run, monkeypatch, tmp_path, capsys,
+                                                                        many):
+    """Where the fastest target alone ran in another dtype (bf16 here) but the target alone in DFlash's
+    dtype through F.linear was a contender, its run is what DFlash's output is compared with: the
+    target alone is not decoded once more for the comparison (one prompt and --prompts-file alike)."""
+    import time
+
+    import dflash_ext.decode.loop
+
+    _set_timings(monkeypatch, {(torch.bfloat16, True): 1.0, (torch.float32, False): _MARGIN - 0.05})
+    real = dflash_ext.decode.loop.target_generate
+    decoded = []  # (dtype, streamed) of every full-length run of the target alone
+
+    def timed(target, ids, max_new_tokens, *a, stream_linears=False, **k):
+        if max_new_tokens == 6:  # not a warm-up: fp32 the slower way (by wall time for the batches)
+            decoded.append((next(target.parameters()).dtype, stream_linears))
+            time.sleep(0 if stream_linears else 0.3)
+        res = real(target, ids, max_new_tokens, *a, stream_linears=stream_linears, **k)
+        for r in (res if isinstance(res, list) else [res]):  # and by its own clock for one prompt
+            r.total_time = 1.0 if stream_linears else 2.0
+        return res
+    monkeypatch.setattr(dflash_ext.decode.loop, "target_generate", timed)
+    if many:
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("one\nthe second prompt\n")
+        err, report = tiny_run(capsys, "--dtype", "float32", "--block-size", "4", "--prompts-file", str(prompts),
+                               "--batch-size", "2")
+    else:
+        err, report = tiny_run(capsys, "--dtype", "float32", "--block-size", "4", "--repeats", "1")
+    assert report["baseline_contenders"] == ["bfloat16 with skinny_linear", "float32 with F.linear"]
+    assert report["baseline"]["config"] == "bfloat16 with skinny_linear"
+    assert sorted(map(str, decoded)) == ["(torch.bfloat16, True)", "(torch.float32, False)"]  # nothing decoded again
+    assert report["identical_to_baseline"] in (True, [True] * 2)
