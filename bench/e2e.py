@@ -10,7 +10,9 @@ How to run (from the repository root, with the extension already built)::
 
 For every prompt the target alone (``target_generate``, one token per forward pass) and
 DFlash (``spec_generate``) run side by side, same dtype, threads and sampling settings
-(greedy by default; the order of the two alternates between prompts). Greedy outputs
+(greedy by default; the order of the two alternates between prompts); ``--drafter-dtype``
+puts the drafter alone in another dtype (bf16 beside an fp32 target: the draft is a
+proposal the target's verify checks, so the output stays the target's). Greedy outputs
 must be identical in float32 (DFlash is lossless): every mismatch is counted, reported
 loudly and makes the exit status 1. In bfloat16/float16 a B-token verify pass rounds
 differently from one-token decoding, so outputs may part where two tokens are near-tied:
@@ -300,6 +302,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--dtype", choices=["auto"] + list(DTYPES), default="auto",
                     help="target and drafter dtype; auto (default) = bfloat16 where the CPU has bf16 units, else float32")
+    ap.add_argument("--drafter-dtype", choices=["auto"] + list(DTYPES), default="auto",
+                    help="the drafter's own dtype (its draft is only a proposal: the target's verify keeps the output "
+                         "the target's); auto (default) = the target's")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
@@ -345,19 +350,21 @@ def main(argv=None):
 
     dtype = fastest_dtype(device) if args.dtype == "auto" else DTYPES[args.dtype]
     args.dtype = str(dtype).replace("torch.", "")
+    drafter_dtype = dtype if args.drafter_dtype == "auto" else DTYPES[args.drafter_dtype]
+    args.drafter_dtype = str(drafter_dtype).replace("torch.", "")
 
     busy = _common.warn_if_busy(device)
     prompt_sets = gather_prompts(args)
     model, tok = load_target(args.target, dtype=dtype, device=device)
     target_name = args.target or f"{DEFAULT_TARGET_NAME} (embedded default)"
     if args.drafter:
-        drafter = DFlashDrafter.from_pretrained(args.drafter, device=device, dtype=dtype)
+        drafter = DFlashDrafter.from_pretrained(args.drafter, device=device, dtype=drafter_dtype)
         drafter.check_fits(model.config)
         drafter_name, fresh = args.drafter, False
     else:
         fresh_block = args.block_size if isinstance(args.block_size, int) else 16
         drafter = DFlashDrafter.from_target(model.config, num_layers=args.draft_layers,
-                                            block_size=fresh_block, seed=args.seed).to(device, dtype)
+                                            block_size=fresh_block, seed=args.seed).to(device, drafter_dtype)
         drafter_name, fresh = "freshly initialised (UNTRAINED: tau ~ 1, DFlash slower than the target)", True
     drafter.eval()
     encoded = [(name, i, encode(tok, p, args.max_prompt_tokens)) for name, ps in prompt_sets
@@ -380,7 +387,8 @@ def main(argv=None):
         greedy = temperature <= 0
         exact = dtype == torch.float32  # where greedy outputs must be identical
         print(f"e2e: target {target_name}; drafter {drafter_name}; block size {B}"
-              f"{' (auto)' if block_choice else ''}; {args.dtype}, {device}, "
+              f"{' (auto)' if block_choice else ''}; {args.dtype}"
+              f"{'' if drafter_dtype == dtype else f' (drafter {args.drafter_dtype})'}, {device}, "
               f"{torch.get_num_threads()} threads; "
               f"{'greedy' if greedy else f'temperature {temperature}, verify {rule}'}; "
               f"{args.max_new_tokens} new tokens; sets "
@@ -476,7 +484,8 @@ def main(argv=None):
         overall = aggregate(records, B)
         meta = _common.metadata(device)
         meta.update(target=target_name, drafter=drafter_name, drafter_fresh=fresh, block_size=B,
-                    draft_layers=drafter.config.num_hidden_layers, dtype=args.dtype, path=args.path,
+                    draft_layers=drafter.config.num_hidden_layers, dtype=args.dtype,
+                    drafter_dtype=args.drafter_dtype, path=args.path,
                     temperature=temperature, verify=None if greedy else rule, top_k=args.top_k, top_p=args.top_p,
                     max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, n_per_set=args.n,
                     sharegpt_offset=(args.sharegpt_offset if args.sharegpt_offset is not None
@@ -486,7 +495,8 @@ def main(argv=None):
                     elapsed_s=round(time.perf_counter() - t_start, 2))
 
         title = (f"DFlash vs target alone | target {target_name} | drafter {'UNTRAINED (fresh)' if fresh else drafter_name}"
-                 f" | B={B} {args.dtype} {device} {meta['threads']} threads | DFlash linears: {meta['dflash_linears']}"
+                 f" | B={B} {args.dtype}{'' if drafter_dtype == dtype else f' (drafter {args.drafter_dtype})'}"
+                 f" {device} {meta['threads']} threads | DFlash linears: {meta['dflash_linears']}"
                  f" | {args.max_new_tokens} new tokens, "
                  f"{'greedy' if greedy else f'T={temperature}, verify {rule}'}")
         print(f"# {title}")

@@ -102,11 +102,13 @@ def test_e2e_quick(tmp_path):
 def test_e2e_temperatures_and_verify_rules(tmp_path):
     """--temperature 0.7 1.0 --verify rejection match: one configuration each on the same
     prompts, each in its own JSON, and the summary of all (tau, accepted drafts per step,
-    tokens/s, the speedup over the target alone)."""
+    tokens/s, the speedup over the target alone); --drafter-dtype: the drafter in bf16 beside the
+    fp32 target."""
     out = tmp_path / "e2e.json"
     proc = _run("e2e", [
         "--quick", "--sets", "--prompts", "What is the capital of France?", "--max-new-tokens", "8",
-        "--block-size", "4", "--threads", "1", "--dtype", "float32", "--no-progress", "--no-warmup",
+        "--block-size", "4", "--threads", "1", "--dtype", "float32", "--drafter-dtype", "bfloat16",
+        "--no-progress", "--no-warmup",
         "--temperature", "0.7", "1.0", "--verify", "rejection", "match", "--json", str(out), "--png", ""])
     rows = json.loads(out.read_text())["configs"]
     assert [(r["temperature"], r["verify"]) for r in rows] == [
@@ -116,7 +118,8 @@ def test_e2e_temperatures_and_verify_rules(tmp_path):
         assert r["dflash_tokens_per_s"] > 0 and r["target_tokens_per_s"] > 0 and r["speedup"] > 0
         data = json.loads((tmp_path / f"e2e_T{r['temperature']:g}_{r['verify']}.json").read_text())
         assert data["metadata"]["temperature"] == r["temperature"] and data["metadata"]["verify"] == r["verify"]
-    assert "accepted drafts/step" in proc.stdout
+        assert (data["metadata"]["dtype"], data["metadata"]["drafter_dtype"]) == ("float32", "bfloat16")
+    assert "accepted drafts/step" in proc.stdout and "float32 (drafter bfloat16)" in proc.stdout
 
 
 # --------------------------------------------------------------------------- bench_ops

@@ -43,6 +43,21 @@ def test_greedy_lossless_oracle_drafter(target, block_size, wrong_every):
             assert spec.tau > block_size - 1 if block_size < 8 else spec.tau > 0.8 * block_size
 
 
+@pytest.mark.parametrize("drafter_dtype", [torch.bfloat16, torch.float16])
+def test_a_drafter_in_another_dtype_than_the_target_is_lossless(target, drafter_dtype):
+    """The drafter may draft in its own dtype beside a float32 target (what bench.e2e --drafter-dtype
+    runs): the features reach it cast to its dtype, and the verify is the target's, so the output is
+    the target's own, greedy, batched and sampled alike."""
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4).to(drafter_dtype)
+    bases = [target_generate(target, prompt, 20).tokens for prompt in PROMPTS]
+    assert [spec_generate(target, drafter, prompt, 20).tokens for prompt in PROMPTS] == bases
+    assert [r.tokens for r in spec_generate(target, drafter, PROMPTS, 20)] == bases
+    g = lambda: torch.Generator().manual_seed(7)
+    sampled = spec_generate(target, drafter, PROMPTS[0], 20, temperature=1.0, generator=g())
+    assert len(sampled.tokens) == 20 and all(0 <= t < target.config.vocab_size for t in sampled.tokens)
+    assert next(drafter.parameters()).dtype == drafter_dtype  # the loop casts nothing of the drafter's
+
+
 def test_stop_tokens_and_budget_edges(target):
     prompt = PROMPTS[0]
     base = target_generate(target, prompt, 30)

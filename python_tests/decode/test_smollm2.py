@@ -48,15 +48,20 @@ def test_shipped_drafter_through_hf_generate_reproduces_the_target(smollm2):
 
 
 @pytest.mark.slow
-def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2):
-    """The shipped drafter in our loop (fp32, its 16,384-token draft vocabulary, B = 3 and
-    its trained block size): greedy output equals the target alone's."""
+@pytest.mark.parametrize("drafter_dtype", [torch.float32, torch.bfloat16])
+def test_shipped_drafter_with_its_draft_vocabulary_reproduces_the_target(smollm2, drafter_dtype):
+    """The shipped drafter in our loop (its 16,384-token draft vocabulary, B = 3 and its trained
+    block size), in fp32 or in bf16 beside the fp32 target: greedy output equals the target
+    alone's, one prompt and the batch of both, and the drafter drafts well in either dtype."""
     model, tok, prompts = smollm2
     path = default_drafter_path()
-    drafter = DFlashDrafter.from_pretrained(path, dtype=torch.float32)
+    drafter = DFlashDrafter.from_pretrained(path, dtype=drafter_dtype)
     assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 16384
-    for prompt in prompts:
-        base = target_generate(model, prompt, 24, stop_token_ids=[tok.eos_token_id])
+    stops = [tok.eos_token_id]
+    bases = [target_generate(model, prompt, 24, stop_token_ids=stops).tokens for prompt in prompts]
+    for prompt, base in zip(prompts, bases):
         for block_size in (3, drafter.config.block_size):
-            spec = spec_generate(model, drafter, prompt, 24, block_size=block_size, stop_token_ids=[tok.eos_token_id])
-            assert spec.tokens == base.tokens
+            spec = spec_generate(model, drafter, prompt, 24, block_size=block_size, stop_token_ids=stops)
+            assert spec.tokens == base
+        assert spec.tau > 1.3  # a trained drafter's acceptance, not a random one's (tau ~ 1)
+    assert [r.tokens for r in spec_generate(model, drafter, prompts, 24, stop_token_ids=stops)] == bases
