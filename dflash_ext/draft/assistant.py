@@ -153,4 +153,6 @@ class DFlashAssistant:
         rows, p = getattr(self.target, "_previous_max_cache_length", None), int(positions[n])
         if isinstance(rows, int) and rows - p >= 2:
             hidden = hidden[:, :rows - p]
-        return SimpleNamespace(last_hidden_state=hidden)
+        # transformers puts the target's LM head over these: in the target's dtype (the embeddings'), whatever
+        # the drafter's own
+        return SimpleNamespace(last_hidden_state=hidden.to(noise_embeds.dtype))

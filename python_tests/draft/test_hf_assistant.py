@@ -35,6 +35,20 @@ def test_greedy_through_hf_generate_equals_the_target_and_spec_generate(target, 
             assert hf == spec_generate(target, drafter, prompt, n).tokens
 
 
+@pytest.mark.parametrize("drafter_dtype", [torch.bfloat16, torch.float16])
+def test_a_drafter_in_another_dtype_through_hf_generate(target, drafter_dtype):
+    """A drafter in bf16 or fp16 beside the float32 target (what the CLI's --drafter-dtype runs):
+    transformers puts the target's LM head over the drafter's hidden states, so they come back in
+    the target's dtype, and the output is the target's (greedy) or a sample (T > 0)."""
+    drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4).to(drafter_dtype)
+    assistant = DFlashAssistant(drafter, target)
+    for prompt in PROMPTS:
+        assert hf_generate(target, assistant, prompt, 20, do_sample=False) == target_generate(target, prompt, 20).tokens
+    torch.manual_seed(0)
+    sampled = hf_generate(target, assistant, PROMPTS[0], 12, do_sample=True)
+    assert len(sampled) == 12 and all(0 <= t < target.config.vocab_size for t in sampled)
+
+
 @pytest.mark.parametrize("family", FAMILIES + ("gemma4-composite",))
 def test_every_family_through_hf_generate_is_lossless(family):
     """The drafter from_target makes runs in transformers' DFlash loop on every family a
