@@ -352,6 +352,7 @@ def main(argv=None):
     args.dtype = str(dtype).replace("torch.", "")
     drafter_dtype = dtype if args.drafter_dtype == "auto" else DTYPES[args.drafter_dtype]
     args.drafter_dtype = str(drafter_dtype).replace("torch.", "")
+    dtypes_label = args.dtype + ("" if drafter_dtype == dtype else f" (drafter {args.drafter_dtype})")  # header, title
 
     busy = _common.warn_if_busy(device)
     prompt_sets = gather_prompts(args)
@@ -387,8 +388,7 @@ def main(argv=None):
         greedy = temperature <= 0
         exact = dtype == torch.float32  # where greedy outputs must be identical
         print(f"e2e: target {target_name}; drafter {drafter_name}; block size {B}"
-              f"{' (auto)' if block_choice else ''}; {args.dtype}"
-              f"{'' if drafter_dtype == dtype else f' (drafter {args.drafter_dtype})'}, {device}, "
+              f"{' (auto)' if block_choice else ''}; {dtypes_label}, {device}, "
               f"{torch.get_num_threads()} threads; "
               f"{'greedy' if greedy else f'temperature {temperature}, verify {rule}'}; "
               f"{args.max_new_tokens} new tokens; sets "
@@ -495,8 +495,7 @@ def main(argv=None):
                     elapsed_s=round(time.perf_counter() - t_start, 2))
 
         title = (f"DFlash vs target alone | target {target_name} | drafter {'UNTRAINED (fresh)' if fresh else drafter_name}"
-                 f" | B={B} {args.dtype}{'' if drafter_dtype == dtype else f' (drafter {args.drafter_dtype})'}"
-                 f" {device} {meta['threads']} threads | DFlash linears: {meta['dflash_linears']}"
+                 f" | B={B} {dtypes_label} {device} {meta['threads']} threads | DFlash linears: {meta['dflash_linears']}"
                  f" | {args.max_new_tokens} new tokens, "
                  f"{'greedy' if greedy else f'T={temperature}, verify {rule}'}")
         print(f"# {title}")
