@@ -62,6 +62,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value
         return value
+    if name in _deprecated.MOVED:  # an old module used as an attribute: imported (and set here) as `import` does
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

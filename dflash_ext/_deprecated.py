@@ -1,12 +1,14 @@
 """The paths of the 0.1 layout that the README showed, kept working for one release (to be
 removed in 0.3): the modules ``dflash_ext.drafter``, ``dflash_ext.decoding``,
-``dflash_ext.models`` and ``dflash_ext.proposer`` (registered without files: each name they
-held resolves to its new home) and ``DFlashDrafter.as_assistant``. Each use warns
+``dflash_ext.models`` and ``dflash_ext.proposer`` (without files: the import system makes
+each on its first import or attribute use, :class:`_OldPaths`, and each name it held
+resolves to its new home) and ``DFlashDrafter.as_assistant``. Each use warns
 (DeprecationWarning) and names the import that replaces it. Nothing of the package uses them;
 the test suite turns their warning into an error (pyproject.toml's filterwarnings)."""
 import importlib
+import importlib.abc
+import importlib.util
 import sys
-import types
 import warnings
 
 # old module -> {name it held: the module that holds it now}
@@ -42,21 +44,39 @@ def _new_import(package: str, public, module: str, name: str) -> str:
     return f"from {package} import {name}" if name in public else f"from {package}.{module} import {name}"
 
 
-def _old_module(package: str, public, old: str) -> types.ModuleType:
-    moved = MOVED[old]
-    module = types.ModuleType(f"{package}.{old}", f"Deprecated (removed in {REMOVED_IN}): {', '.join(sorted(moved))} "
-                                                  "live elsewhere now; each warns and names its import.")
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The import system's finder and loader of the old modules: ``import dflash_ext.decoding``
+    makes a real module (a spec, set on the package as an import sets it) whose names resolve
+    on first use, each use warning with its new import."""
 
-    def __getattr__(name):
-        if name not in moved:
-            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
-        warnings.warn(f"{module.__name__} is deprecated and goes in {REMOVED_IN}: use "
-                      f"`{_new_import(package, public, moved[name], name)}`", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(f"{package}.{moved[name]}"), name)
+    def __init__(self, package: str, public):
+        self.package, self.public = package, public
 
-    module.__getattr__ = __getattr__
-    module.__all__ = sorted(moved)
-    return module
+    def find_spec(self, fullname, path=None, target=None):
+        parent, _, old = fullname.rpartition(".")
+        if parent != self.package or old not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, origin="deprecated")
+
+    def create_module(self, spec):
+        return None  # the default module
+
+    def exec_module(self, module) -> None:
+        package, public = self.package, self.public
+        moved = MOVED[module.__name__.rpartition(".")[2]]
+        module.__doc__ = (f"Deprecated (removed in {REMOVED_IN}): {', '.join(sorted(moved))} live elsewhere now; "
+                          "each warns and names its import.")
+
+        def __getattr__(name):
+            if name not in moved:
+                raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+            warnings.warn(f"{module.__name__} is deprecated and goes in {REMOVED_IN}: use "
+                          f"`{_new_import(package, public, moved[name], name)}`", DeprecationWarning, stacklevel=2)
+            return getattr(importlib.import_module(f"{package}.{moved[name]}"), name)
+
+        module.__getattr__ = __getattr__
+        module.__dir__ = lambda: sorted(set(vars(module)) | set(moved))
+        module.__all__ = sorted(moved)
 
 
 def _as_assistant(self, target=None, fused: bool = True, draft_window=None):
@@ -69,9 +89,10 @@ def _as_assistant(self, target=None, fused: bool = True, draft_window=None):
 
 
 def install(package: str, public) -> None:
-    """Register the old modules under `package` (`public`: the names its root exports)."""
-    for old in MOVED:
-        sys.modules.setdefault(f"{package}.{old}", _old_module(package, public, old))
+    """Let the old modules of `package` be imported (`public`: the names its root exports):
+    a finder that makes each on its first import, nothing made before."""
+    if not any(isinstance(f, _OldPaths) and f.package == package for f in sys.meta_path):
+        sys.meta_path.append(_OldPaths(package, public))
     from .model.drafter import DFlashDrafter
 
     DFlashDrafter.as_assistant = _as_assistant

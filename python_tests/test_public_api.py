@@ -58,6 +58,41 @@ def test_the_old_from_imports_warn_and_resolve():
         importlib.import_module("dflash_ext.models").nothing
 
 
+_OLD_MODULE_CHECK = """
+import importlib, importlib.util, pydoc, sys
+import dflash_ext
+from dflash_ext._deprecated import MOVED
+for old, names in sorted(MOVED.items()):
+    path, name = f"dflash_ext.{old}", sorted(names)[0]
+    new = getattr(importlib.import_module(f"dflash_ext.{names[name]}"), name)
+    spec = importlib.util.find_spec(path)  # before any import: it raised (no __spec__)
+    via_attribute = getattr(getattr(dflash_ext, old), name)  # no import first: an AttributeError
+    module = importlib.import_module(path)
+    text = pydoc.render_doc(module)
+    print(old, spec.name == path, via_attribute is new, module.__spec__.name == path,
+          dflash_ext.__dict__[old] is module is sys.modules[path], importlib.import_module(path) is module,
+          set(names) <= set(dir(module)), "Deprecated" in text and name in text)
+"""
+
+
+def test_an_old_module_behaves_as_a_module():
+    """Each 0.1 module is a module (issue 67): find_spec finds it, the package's attribute
+    imports it, an import sets it on the package, pydoc renders it, dir lists its names; a
+    first import in a fresh interpreter, as a user's script does it."""
+    out = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", _OLD_MODULE_CHECK],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == [f"{old} True True True True True True True" for old in sorted(MOVED)]
+
+
+def test_the_old_modules_are_not_made_before_they_are_used():
+    code = "import sys, dflash_ext; print(any(m.split('.')[1:2] == [o] for o in %r for m in sys.modules))" % (
+        sorted(MOVED),)
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["False"]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dflash_ext.nothing")
+
+
 def test_as_assistant_warns_and_returns_the_assistant():
     target = tiny_target()
     drafter = dflash_ext.DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)

@@ -92,31 +92,52 @@ def prompt_text(text):
 
 def prompts_file(text):
     """--prompts-file: its prompts (a list of str), read now so that a bad file is a usage error
-    before any model loads: JSONL whose lines are objects with a "prompt" string, or plain
-    text, one prompt per line (blank lines skipped); a line that is a JSON object without a
-    "prompt" string is an error naming the line."""
+    before any model loads. One of two kinds, by its first non-blank line: JSONL when that line
+    starts with "{" (then every non-blank line is a JSON object with a "prompt" string), else
+    plain text, one prompt per line. Blank lines are skipped; a UTF-8 byte-order mark is not
+    text. A line that breaks its file's kind (a JSON line that does not parse, a JSON record in
+    a text file) is an error naming it: never silently a prompt."""
     try:
-        with open(text, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(text, encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark is dropped
+            lines = [line.lstrip("\ufeff") for line in f.read().splitlines()]  # and one at a line's start
     except (OSError, UnicodeDecodeError) as e:
         raise argparse.ArgumentTypeError(f"cannot read {text}: {e}") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict):
-            if not isinstance(record.get("prompt"), str):
-                raise argparse.ArgumentTypeError(f"line {number} of {text} is a JSON object without a \"prompt\" string")
-            prompts.append(record["prompt"])
-        else:  # plain text (a line that happens to be a JSON number or string is still its text)
-            prompts.append(line)
-    if not prompts:
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
         raise argparse.ArgumentTypeError(f"{text} holds no prompt")
-    return prompts
+    first = numbered[0][0]
+    if numbered[0][1].lstrip().startswith("{"):
+        return [_json_prompt(text, number, line, first) for number, line in numbered]
+    for number, line in numbered:
+        if isinstance(_json_object(line), dict):
+            raise argparse.ArgumentTypeError(
+                f"line {number} of {text} is a JSON record, but line {first} is plain text: a prompts file is "
+                "JSONL (every line a JSON object with a \"prompt\" string) or plain text (one prompt per line), "
+                "not both")
+    return [line for _, line in numbered]
+
+
+def _json_object(line):
+    """`line` parsed as JSON (None where it does not parse)."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def _json_prompt(path, number: int, line: str, first: int) -> str:
+    """The "prompt" of line `number` of a JSONL prompts file (its first line, `first`, is JSON)."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"line {number} of {path} is not valid JSON ({e.msg} at column {e.colno}); the file is JSONL (line "
+            f"{first} starts with '{{'), so every line must be a JSON object with a \"prompt\" string") from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise argparse.ArgumentTypeError(f"line {number} of {path} is " + (
+            "a JSON object without a \"prompt\" string" if isinstance(record, dict)
+            else f"JSON {type(record).__name__}, not an object with a \"prompt\" string"))
+    return record["prompt"]
 
 
 def target_name(text):

@@ -24,9 +24,11 @@ def main(argv=None):
     g = sub.add_parser("generate", help="speculative generation with streaming output and statistics")
     g.add_argument("--prompt", type=prompt_text, default="Write a Python function that checks whether a number is prime.")
     g.add_argument("--prompts-file", type=prompts_file, default=None, metavar="FILE",
-                   help="many prompts (JSONL with a \"prompt\" field, or one prompt per line), decoded in batches of "
+                   help="many prompts, decoded in batches of "
                         "--batch-size (each row accepts its own drafts; full-attention targets): one output per "
-                        "prompt, in order (in --json too); replaces --prompt")
+                        "prompt, in order (in --json too); replaces --prompt. JSONL when its first line starts with "
+                        "'{' (every line an object with a \"prompt\" string), else one prompt per line; a line of the "
+                        "other kind is an error")
     g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together with --prompts-file")
     g.add_argument("--target", type=target_name, default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
     g.add_argument("--drafter", type=drafter_folder, default=None, help="DFlash drafter checkpoint folder (reference format); "

@@ -21,6 +21,7 @@ clear error (:func:`check_batchable`): their prompts decode one by one.
 """
 from typing import Callable, List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +29,7 @@ from ..draft.sampling import Draft, sample_token, split_draft
 from .output import GenerationResult, PhaseClock, RowOutput, prompt_ids
 from .rollback import drop_tail
 from .runner import TargetRunner
-from .verify import verify_rows
+from .verify import check_draft, verify_rows
 
 __all__ = ["batch_generate", "prompt_rows", "per_row", "check_batchable", "RaggedCache", "RowProposers",
            "COMPACT_AT"]
@@ -40,27 +41,33 @@ COMPACT_AT = 0.25
 
 
 def prompt_rows(prompts, target, caller: str) -> Optional[List[torch.Tensor]]:
-    """None where `prompts` is one prompt (an [n] or [1, n] tensor, a flat list of ints: the
-    single-sequence call); else the prompts as [1, n_i] long tensors on the target's device:
-    `prompts` is a list or tuple of sequences (lists of ints, [n] or [1, n] tensors; their
-    lengths may differ), or a [b, n] tensor with b > 1. A bad row is an error naming it."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.shape[0] < 2:
+    """None where `prompts` is one prompt; else the batch's prompts as [1, n_i] long tensors on
+    the target's device. The one rule (docs/decoding.md, "One prompt or many"): a list or tuple
+    whose first item is a sequence (a list, a tuple, an [n] or [1, n] tensor or numpy array)
+    is a batch, even of one, and every item must then be a prompt; a [b, n] tensor or array
+    is a batch where b > 1; anything else is one prompt (a flat list of ints, an [n] tensor,
+    or [1, n]: a tokenizer's ``return_tensors="pt"``). A bad row is an error naming it."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if prompts.ndim != 2 or prompts.shape[0] < 2:
             return None
         rows = list(prompts)
-    elif isinstance(prompts, (list, tuple)) and prompts:  # an empty list: prompt_ids' error (no prompt token)
-        if not all(isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() > 0) for p in prompts):
-            return None
+    elif isinstance(prompts, (list, tuple)) and prompts and _is_sequence(prompts[0]):
         rows = list(prompts)
-    else:
+    else:  # an empty list: prompt_ids' error (no prompt token)
         return None
     out = []
     for i, row in enumerate(rows):
         try:
+            if not _is_sequence(row):
+                raise ValueError(f"a batch of prompts holds token-id sequences (prompts[0] is one), got {row!r:.40}")
             out.append(prompt_ids(row, target, caller))
         except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from None
     return out
+
+
+def _is_sequence(value) -> bool:
+    return isinstance(value, (list, tuple)) or (isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim > 0)
 
 
 def per_row(value, n: int, name: str) -> list:
@@ -231,11 +238,14 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
         return results
     ragged = RaggedCache(caches, target.config.get_text_config().model_type)
     del caches
+    drafts_checked = False  # the proposers' first drafts' values were checked (once per generation)
     while alive:
         rows = len(alive)
         verify_size = min(block_size, max(max_new_tokens - len(outs[r].res.tokens) for r in alive) + 1)
         drafts, probs = split_draft(proposer.propose_rows(alive, lasts, pos, verify_size - 1)) if verify_size > 1 \
             else (torch.empty(rows, 0, dtype=torch.long), None)
+        check_draft(drafts, probs, verify_size - 1, runner.vocab_size, values=verify_size > 1 and not drafts_checked)
+        drafts_checked |= verify_size > 1
         drafts, probs = drafts.to(device), None if probs is None else probs.to(device)
         clock("draft")
         block = torch.cat([torch.tensor(lasts, device=device)[:, None], drafts], 1)

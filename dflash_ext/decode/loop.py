@@ -9,14 +9,14 @@ from typing import Callable, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-from ..draft.proposer import DFlashProposer
+from ..draft.proposer import DFlashProposer, Proposer
 from ..draft.sampling import sample_token
 from ..model.drafter import DFlashDrafter
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
 from .autotune import choose_block_size
 from .batch import RowProposers, batch_generate, check_batchable, per_row, prompt_rows, row_callback
-from .output import GenerationResult, PhaseClock, RowOutput, check_sampling, prompt_ids
+from .output import GenerationResult, PhaseClock, RowOutput, check_on_tokens, check_sampling, prompt_ids
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .step import DecodeState, speculative_step
@@ -41,7 +41,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     list): the loop around :func:`~.step.speculative_step`, which times and streams.
 
     `drafter` is a :class:`~dflash_ext.model.drafter.DFlashDrafter` or a proposer object with
-    ``accept`` and ``propose`` (see :class:`~dflash_ext.draft.proposer.DFlashProposer`).
+    ``accept`` and ``propose`` (:class:`~dflash_ext.draft.proposer.Proposer`; one with ``reset`` is reset for each
+    generation, e.g. a :class:`~dflash_ext.draft.proposer.DFlashProposer` given again).
     `block_size`: the verify block (int), "auto" (:func:`~.autotune.choose_block_size`) or None
     (the drafter's). `on_tokens` receives each step's new tokens; `streamer` is a Hugging Face
     streamer (``put``/``end``, e.g. TextStreamer). `draft_window` caps every drafter layer's
@@ -61,20 +62,25 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     the target's distribution; at T = 0 both are the greedy match. One `generator` drives the
     drafting and the verification: a seeded generator gives the same tokens again.
 
-    Many prompts: `input_ids` a list of sequences (lists of ints, [n] or [1, n] tensors; their
-    lengths may differ) or a [b, n] tensor (b > 1) returns a list of GenerationResult, one per
-    prompt, in order, decoded as one batch (:func:`~.batch.batch_generate`: each row accepts its
-    own drafts under the same `verify` rule, a finished row leaves the batch; full-attention
-    targets only, else a NotImplementedError naming the family). `drafter`: a DFlashDrafter or
-    a list of proposer objects, one per prompt; `on_tokens(row, tokens)`; `streamer`: None or a
-    list of one per prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``);
-    no `static_cache`. A list of one prompt runs the single-prompt loop (a list of one result).
-    A single prompt ([n], [1, n] or a flat list of ints) returns one GenerationResult."""
+    One prompt or many, one rule (:func:`~.batch.prompt_rows`; docs/decoding.md, "One prompt
+    or many"): a list or tuple of prompts (each a list of ints, an [n] or [1, n] tensor or numpy
+    array; their lengths may differ) returns a list of GenerationResult, one per prompt, in
+    order, even for a list of one; so does a [b, n] tensor with b > 1. One prompt (a flat list
+    of ints, an [n] tensor, or an [1, n] one: a tokenizer's ``return_tensors="pt"``) returns one
+    GenerationResult. A batch is decoded together (:func:`~.batch.batch_generate`: each row
+    accepts its own drafts under the same `verify` rule, a finished row leaves the batch;
+    full-attention targets only, else a NotImplementedError naming the family; a list of one
+    runs the single-prompt loop). With a batch, `drafter` is a DFlashDrafter or a list of
+    proposer objects, one per prompt; `on_tokens(row, tokens)`; `streamer` None or a list of
+    one per prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``); no
+    `static_cache`. Every argument is checked before the prefill, with an error naming it."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     rule = "rejection" if verify is None else verify
     if rule not in VERIFY_RULES:
         raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} (or None), got {verify!r}")
     rows = prompt_rows(input_ids, target, "spec_generate")
+    check_on_tokens(on_tokens, batch=rows is not None)
+    _check_drafter(drafter, None if rows is None else len(rows))
     if rows is not None:
         return _spec_generate_batch(target, drafter, rows, max_new_tokens, temperature=temperature,
                                     block_size=block_size, stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p,
@@ -98,10 +104,9 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                                  sampling=sampling if rule == "rejection" else None)
             layer_ids = drafter.config.target_layer_ids
         else:
-            B, proposer, trained = block_size, drafter, 0
+            B, proposer, trained = _proposer_block_size(block_size), drafter, 0
             layer_ids = getattr(drafter, "layer_ids", None)
-        if not isinstance(B, int) or B < 1:
-            raise ValueError(f"block_size must be an int >= 1 or 'auto', got {B!r}")
+            _reset([proposer], n_prompt + max_new_tokens + B)
         runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
         cache = runner_module.static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
@@ -143,6 +148,49 @@ def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: i
     return B
 
 
+def _proposer_block_size(block_size) -> int:
+    """The verify block with proposer objects: an int >= 1 (they have no trained block to time or default to)."""
+    if type(block_size) is not int or block_size < 1:  # bool too: True is no block size
+        raise ValueError(f"block_size must be an int >= 1 with proposer objects, got {block_size!r}")
+    return block_size
+
+
+def _check_drafter(drafter, batch: Optional[int]) -> None:
+    """`drafter` as the loop takes it, else a ValueError naming it: a DFlashDrafter, or for one
+    prompt (`batch` None) a proposer object, for a batch of `batch` prompts a list of them,
+    one per prompt (a proposer drafts one sequence)."""
+    if isinstance(drafter, DFlashDrafter):
+        return
+    if batch is None:
+        if isinstance(drafter, (list, tuple)):
+            raise ValueError("drafter: a list of proposers goes with a list of prompts (one each); one prompt takes a "
+                             "DFlashDrafter or one proposer object")
+        if not isinstance(drafter, Proposer):
+            raise ValueError("drafter must be a DFlashDrafter or a proposer object (with accept and propose methods), "
+                             f"got {type(drafter).__name__}")
+        return
+    if not isinstance(drafter, (list, tuple)):
+        raise ValueError("drafter: a batch of prompts takes a DFlashDrafter or a list of proposer objects, "
+                         f"one per prompt (a proposer drafts one sequence), got {type(drafter).__name__}")
+    if len(drafter) != batch:
+        raise ValueError(f"drafter: a list of proposers needs one per prompt ({batch}), got {len(drafter)}")
+    for i, one in enumerate(drafter):
+        if isinstance(one, DFlashDrafter):
+            raise ValueError(f"drafter[{i}] is a DFlashDrafter: a batch of prompts takes one DFlashDrafter for all "
+                             "its rows (drafted together), not a list of them")
+        if not isinstance(one, Proposer):
+            raise ValueError(f"drafter[{i}] must be a proposer object (with accept and propose methods), "
+                             f"got {type(one).__name__}")
+
+
+def _reset(proposers, positions: int) -> None:
+    """A new generation reaching `positions` for each proposer object that can be reset (a
+    DFlashProposer given again drafts from this prompt, or says it is too small)."""
+    for proposer in proposers:
+        if hasattr(proposer, "reset"):
+            proposer.reset(positions)
+
+
 def _proposer(drafter, target, B: int, context_len: int, max_new_tokens: int, fused: bool, draft_window,
               batch_size: int = 1, sampling=None) -> DFlashProposer:
     """The drafter against `target` for one generation of `batch_size` sequences of at most
@@ -162,8 +210,6 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
     """spec_generate over a list of prompts (:func:`~.batch.batch_generate`); a list of one runs
     the single-prompt loop."""
     streamers = per_row(streamer, len(rows), "streamer")
-    if isinstance(drafter, (list, tuple)) and len(drafter) != len(rows):
-        raise ValueError(f"drafter: a list of proposers needs one per prompt ({len(rows)}), got {len(drafter)}")
     if len(rows) == 1:  # a batch of one: the single-prompt loop itself
         one = drafter[0] if isinstance(drafter, (list, tuple)) else drafter
         return [spec_generate(target, one, rows[0], max_new_tokens, temperature=temperature, block_size=block_size,
@@ -187,12 +233,8 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
                                  sampling=sampling if rule == "rejection" else None)
             layer_ids = drafter.config.target_layer_ids
         else:
-            if not isinstance(drafter, (list, tuple)):
-                raise ValueError("drafter: a batch of prompts takes a DFlashDrafter or a list of proposer objects, "
-                                 f"one per prompt (a proposer drafts one sequence), got {type(drafter).__name__}")
-            B = block_size
-            if type(B) is not int or B < 1:
-                raise ValueError(f"block_size must be an int >= 1 with proposer objects, got {B!r}")
+            B = _proposer_block_size(block_size)
+            _reset(drafter, longest + max_new_tokens + B)
             proposer = RowProposers(drafter, next(target.parameters()).device)
             layer_ids = getattr(drafter[0], "layer_ids", None)
         return batch_generate(target, proposer if B > 1 else None, rows, max_new_tokens, B, sampling,
@@ -214,6 +256,7 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
     results."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     rows = prompt_rows(input_ids, target, "target_generate")
+    check_on_tokens(on_tokens, batch=rows is not None)
     if rows is not None:  # a list of prompts: one batch (a list of one: the single-prompt loop)
         streamers = per_row(streamer, len(rows), "streamer")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)

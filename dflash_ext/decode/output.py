@@ -4,16 +4,20 @@ sequence's output as it grows (the budget, stop tokens, callbacks, streamer and 
 :class:`RowOutput`), the phase clock (:class:`PhaseClock`) and the result
 (:class:`GenerationResult`).
 """
+import inspect
 import math
 import numbers
 import operator
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Iterable, List
 
+import numpy as np
 import torch
 
-__all__ = ["GenerationResult", "prompt_ids", "check_sampling", "PhaseClock", "RowOutput"]
+__all__ = ["GenerationResult", "token_ids", "prompt_ids", "check_sampling", "check_on_tokens", "PhaseClock",
+           "RowOutput"]
 
 @dataclass
 class GenerationResult:
@@ -57,15 +61,53 @@ class GenerationResult:
                 "time_to_first_token_s": self.time_to_first_token}
 
 
+def token_ids(value, name: str = "input_ids") -> torch.Tensor:
+    """`value` as an integer tensor of token ids, without copying a tensor: a tensor, a numpy
+    array, or a list / tuple of ints (numpy's too). Anything else is a ValueError naming `name`
+    and saying what was given (text, a tokenizer's output, an iterator, floats, bools), never a
+    raw torch error."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} is text ({type(value).__name__}): it takes token ids; tokenize it first "
+                         "(tokenizer(text)['input_ids'] or tokenizer.apply_chat_template)")
+    if isinstance(value, Mapping):  # a tokenizer's BatchEncoding, a dict
+        hint = "; pass its ['input_ids']" if "input_ids" in value else ""
+        raise ValueError(f"{name} is a {type(value).__name__} (a mapping): it takes token ids{hint}")
+    if isinstance(value, (list, tuple)):
+        bad = next((i for i, t in enumerate(value) if not _token_like(t)), None)
+        if bad is not None:
+            raise ValueError(f"{name}[{bad}] is {_what(value[bad])}: a prompt is a sequence of integer token ids")
+    elif not isinstance(value, (torch.Tensor, np.ndarray)):
+        raise ValueError(f"{name} must be a list, tuple, tensor or numpy array of token ids, got {_what(value)}")
+    try:  # an empty list holds no ids (as_tensor would call it float): the caller's "empty" error
+        ids = torch.as_tensor(value) if len(value) else torch.empty(0, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError) as e:  # ragged rows, an object array
+        raise ValueError(f"{name} must be a rectangular sequence of integer token ids ({e})") from None
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise ValueError(f"{name} must hold integer token ids, got {str(ids.dtype).replace('torch.', '')}")
+    return ids
+
+
+def _token_like(t) -> bool:
+    """A single token id as a list may hold it: an int (numpy's too), not a bool; or any
+    tensor / array / list (its dtype and shape are checked on the tensor it makes)."""
+    return isinstance(t, (numbers.Integral, torch.Tensor, np.ndarray, list, tuple)) and not isinstance(t, (bool, np.bool_))
+
+
+def _what(value) -> str:
+    """A short description of a value for an error message."""
+    kind = type(value).__name__
+    if isinstance(value, (str, bytes)):
+        return f"text ({kind} {value!r:.40})"
+    return f"{kind} {value!r}" if isinstance(value, (numbers.Number, bool, type(None))) else f"a {kind} object"
+
+
 def prompt_ids(input_ids, target, caller: str) -> torch.Tensor:
-    """`input_ids` ([n] or [1, n]: a list or an integer tensor) as a [1, n] long tensor on the
-    target's device; anything else is a ValueError naming input_ids (not a reshape error, an
+    """One prompt (:func:`token_ids`: [n] or [1, n]) as a [1, n] long tensor on the target's
+    device; anything else is a ValueError naming input_ids (not a reshape error, an
     IndexError inside the embedding, or floats silently cut to ints)."""
-    ids = torch.as_tensor(input_ids)
+    ids = token_ids(input_ids)
     if ids.numel() == 0:
         raise ValueError(f"input_ids is empty: {caller} needs at least one prompt token to continue")
-    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
-        raise ValueError(f"input_ids must hold integer token ids, got {str(ids.dtype).replace('torch.', '')}")
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"{caller} decodes one sequence: input_ids must be [n] or [1, n], got shape "
@@ -76,6 +118,25 @@ def prompt_ids(input_ids, target, caller: str) -> torch.Tensor:
         raise ValueError(f"input_ids holds the token id {low if low < 0 else high}, outside the target's "
                          f"vocabulary [0, {rows})")
     return ids.to(device=next(target.parameters()).device, dtype=torch.long)
+
+
+def check_on_tokens(on_tokens, batch: bool) -> None:
+    """`on_tokens` is None or a callable that takes what the loop passes: ``(tokens)`` for one
+    prompt, ``(row, tokens)`` for a batch; else a ValueError naming it now, not a TypeError
+    after the first step."""
+    if on_tokens is None:
+        return
+    if not callable(on_tokens):
+        raise ValueError(f"on_tokens must be a callable (or None), got {_what(on_tokens)}")
+    try:
+        signature = inspect.signature(on_tokens)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        signature.bind(*(["row", "tokens"] if batch else ["tokens"]))
+    except TypeError:
+        call = "on_tokens(row, tokens) for each row of a batch of prompts" if batch else "on_tokens(tokens) for one prompt"
+        raise ValueError(f"on_tokens is called as {call}; the callable given takes {signature}") from None
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:

@@ -48,6 +48,8 @@ class TargetRunner:
     def __init__(self, target, layer_ids: Optional[Sequence[int]] = None, compiled_sizes: Sequence[int] = ()):
         self.target = target
         self.device = next(target.parameters()).device
+        head = target.get_output_embeddings()  # the logits' width: what a draft's q spans
+        self.vocab_size = head.weight.shape[0] if head is not None else target.get_input_embeddings().num_embeddings
         self.cache_arg = cache_kwarg(target)
         self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
         self.needed = [l + 1 for l in layer_ids] if layer_ids else []

@@ -15,7 +15,7 @@ import torch
 from ..draft.sampling import split_draft
 from .rollback import CacheRollback
 from .runner import TargetRunner
-from .verify import verify
+from .verify import check_draft, verify
 
 __all__ = ["DecodeState", "speculative_step"]
 
@@ -28,6 +28,7 @@ class DecodeState:
     rollback: CacheRollback
     last: int
     pos: int
+    draft_checked: bool = False  # the proposer's first draft's values were checked (once per generation)
 
 
 def _no_clock(phase: str) -> None:
@@ -47,6 +48,8 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
     drafted = proposer.propose(state.last, state.pos, verify_size - 1) \
         if verify_size > 1 else torch.empty(0, dtype=torch.long)
     draft, draft_probs = split_draft(drafted)
+    check_draft(draft, draft_probs, verify_size - 1, runner.vocab_size, values=verify_size > 1 and not state.draft_checked)
+    state.draft_checked |= verify_size > 1
     draft = draft.to(runner.device)
     draft_probs = None if draft_probs is None else draft_probs.to(runner.device)
     clock("draft")

@@ -30,9 +30,39 @@ import torch
 
 from ..draft.sampling import process_logits, sample_token
 
-__all__ = ["VERIFY_RULES", "verify", "verify_rows", "rejection_law", "rejection_sample"]
+__all__ = ["VERIFY_RULES", "verify", "verify_rows", "rejection_law", "rejection_sample", "check_draft"]
 
 VERIFY_RULES = ("rejection", "match")
+
+
+def check_draft(draft, draft_probs: Optional[torch.Tensor], n: int, vocab_size: int, values: bool) -> None:
+    """What a proposer returned, as the verify rules read it, else a ValueError naming the
+    drafter (not a torch error inside the rule, nor a q the rejection rule would silently
+    misread): `draft [..., n]` a tensor of integer token ids, `draft_probs` None or [..., n, V] with V the
+    target's vocabulary. With `values` (once per generation: it reads the device) also the
+    values: ids in [0, V), q finite, non-negative, each slot summing to 1."""
+    if not isinstance(draft, torch.Tensor) or draft.dim() == 0 or draft.shape[-1] != n:
+        got = f"shape {list(draft.shape)}" if isinstance(draft, torch.Tensor) else type(draft).__name__
+        raise ValueError(f"drafter: a proposer's propose(last_token, position, n={n}) must return a tensor of n token "
+                         f"ids or a Draft of them, got {got}")
+    if draft.dtype.is_floating_point or draft.dtype.is_complex or draft.dtype == torch.bool:
+        raise ValueError(f"drafter: a proposer's draft must be integer token ids, got {draft.dtype}")
+    if draft_probs is not None and draft_probs.shape != (*draft.shape, vocab_size):
+        raise ValueError(f"drafter: a proposer's q (the Draft's probs) must be [n, V] = {[*draft.shape, vocab_size]} "
+                         f"(one distribution over the target's {vocab_size} tokens per draft), got "
+                         f"{list(draft_probs.shape)}")
+    if not values or draft.numel() == 0:
+        return
+    if int(draft.min()) < 0 or int(draft.max()) >= vocab_size:
+        raise ValueError(f"drafter: a proposer drafted a token id outside the target's vocabulary [0, {vocab_size}): "
+                         f"{draft.tolist()}")
+    if draft_probs is not None:
+        q = draft_probs.float()
+        sums = q.sum(-1)
+        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool(((sums - 1).abs() > 1e-3).any()):
+            raise ValueError("drafter: a proposer's q must be a distribution per draft (finite, non-negative, summing "
+                             f"to 1): got values in [{float(q.min()):g}, {float(q.max()):g}], sums in "
+                             f"[{float(sums.min()):g}, {float(sums.max()):g}]")
 
 
 def rejection_law(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor):

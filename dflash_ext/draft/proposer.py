@@ -2,14 +2,30 @@
 to one target through a :class:`~.runtime.DraftRuntime` that holds the target's block
 embedding and LM head: it takes the target's hidden states of the accepted tokens
 (:meth:`~DFlashProposer.accept`) and drafts the next block (:meth:`~DFlashProposer.propose`).
-Any object with these two methods is a proposer to the loop
-(:class:`~dflash_ext.testing.oracle.OracleProposer` is another)."""
+Any object with these two methods is a proposer to the loop (:class:`Proposer`;
+:class:`~dflash_ext.testing.oracle.OracleProposer` is another)."""
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from .head import block_embedding
 from .runtime import DraftRuntime
 
-__all__ = ["DFlashProposer"]
+__all__ = ["Proposer", "DFlashProposer"]
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What ``spec_generate`` drives when it is given an object instead of a drafter (as
+    transformers' ``CandidateGenerator`` is to ``generate``): ``accept`` takes the target's
+    hidden states of the accepted tokens, ``propose`` returns n draft tokens ([n] long), or a
+    :class:`~.sampling.Draft` (the tokens and the q they were sampled from, [n, V]). One may
+    also have ``reset(positions)``, called at the start of each generation that reaches
+    `positions` positions (:meth:`DFlashProposer.reset`)."""
+
+    def accept(self, hidden_states, rows: slice, positions: torch.Tensor) -> None: ...
+
+    def propose(self, last_token: int, position: int, n: int): ...
 
 
 class DFlashProposer:
@@ -52,7 +68,18 @@ class DFlashProposer:
         # At T > 0 under rejection sampling the drafts are sampled (their q goes to the verifier).
         self.sampling = sampling if sampling is not None and sampling["temperature"] > 0 else None
         # Every position a block can reach: the cache holds <= capacity tokens, a block adds block_size.
-        self.position_limit = capacity + drafter.config.block_size + 1
+        self.capacity, self.position_limit = capacity, capacity + drafter.config.block_size + 1
+
+    def reset(self, positions: int) -> None:
+        """Start a new generation (the loop calls it: a proposer given to ``spec_generate`` again
+        drafts from the new prompt, not the last one's context) whose prompt, budget and one
+        block reach `positions`; more than this proposer was made for is a ValueError naming
+        the drafter argument, now rather than mid-generation."""
+        if positions > self.capacity:
+            raise ValueError(f"drafter: this DFlashProposer holds {self.capacity} positions (its capacity), and "
+                             f"this generation's prompt, budget and block need {positions}: make one with "
+                             f"capacity >= {positions}")
+        self.runtime.reset()
 
     @torch.no_grad()
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor, seq: int = 0, index: int = 0) -> None:

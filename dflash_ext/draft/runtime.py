@@ -80,6 +80,12 @@ class DraftRuntime:
             grown = max(positions, min(grown, limit))
         self.rope = rope_tables(self.config, grown, self.device, self.dtype)
 
+    def reset(self) -> None:
+        """Forget every sequence's context (a new generation): the cache's lengths to 0, its
+        memory, tables, weights and graphs kept."""
+        for b in range(len(self.cache.lengths)):
+            self.cache.set_length(b, 0)
+
     def layer_weights(self):
         """Per layer, its stacked (q/k/v, gate/up) weights (:func:`~.layers.stacked_layer_weights`):
         the same tensors while the parameters are still their views."""

@@ -248,3 +248,57 @@ def test_train_max_len_that_leaves_no_response_is_refused_before_loading(tmp_pat
     # the records have 3 prompt tokens: cut to 4 tokens, none keeps the two response tokens a label needs
     err = _usage_error(["train", "--data", data, "--out", str(tmp_path / "o"), "--max-len", "4"], capsys)
     assert "argument --max-len:" in err and "4 tokens" in err
+
+
+# --------------------------------------------------------------- --prompts-file (issue 67)
+from dflash_ext.cli.args import prompts_file  # noqa: E402
+
+
+def _prompts(tmp_path, data: bytes):
+    path = tmp_path / "prompts"
+    path.write_bytes(data)
+    return prompts_file(str(path))
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_a_prompts_file_with_a_byte_order_mark_reads_its_prompts(tmp_path, newline):
+    bom = "\ufeff".encode()
+    records = newline.join(json.dumps({"prompt": p}).encode() for p in ("first", "second")) + newline
+    assert _prompts(tmp_path, bom + records) == ["first", "second"]
+    assert _prompts(tmp_path, bom + b"plain one" + newline + b"plain two") == ["plain one", "plain two"]
+    assert _prompts(tmp_path, bom + newline + b"  \t" + newline + records) == ["first", "second"]  # blanks first
+
+
+@pytest.mark.parametrize("bad_line,what", [
+    ('{"prompt": "trailing comma",}', "not valid JSON"),
+    ("{'prompt': 'single quotes'}", "not valid JSON"),
+    ('{"prompt": "cut', "not valid JSON"),
+    ("plain text among JSON lines", "not valid JSON"),
+    ('["a", "list"]', "JSON list, not an object"),
+    ('{"prompt": 7}', 'without a "prompt" string'),
+    ('{"text": "no prompt field"}', 'without a "prompt" string'),
+])
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_a_bad_line_of_a_jsonl_prompts_file_is_named(tmp_path, bad_line, what, where):
+    lines = [json.dumps({"prompt": p}) for p in ("one", "two")]
+    lines.insert(where, bad_line)
+    if where == 0 and not bad_line.startswith("{"):  # then the file is text, and its JSON lines the error
+        what, where = "is a JSON record, but line 1 is plain text", 1
+    with pytest.raises(Exception, match=f"line {where + 1} of .*{what}"):
+        _prompts(tmp_path, "\n".join(lines).encode())
+
+
+def test_a_json_record_in_a_plain_text_prompts_file_is_an_error_not_a_prompt(tmp_path):
+    with pytest.raises(Exception, match='line 3 of .* is a JSON record, but line 1 is plain text'):
+        _prompts(tmp_path, b'a text prompt\n\n{"prompt": "a record"}\n')
+    # text that merely looks like JSON (a number, a string, braces that do not parse) stays text
+    assert _prompts(tmp_path, b'plain\n42\n"quoted"\n{not json at all\n') == ["plain", "42", '"quoted"',
+                                                                              "{not json at all"]
+
+
+def test_a_bad_prompts_file_is_a_usage_error_before_anything_loads(tmp_path, nothing_loads, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes("\ufeff".encode() + b'{"prompt": "fine"}\n{"prompt": "trailing",}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompts-file", str(path)])
+    assert e.value.code == 2 and "argument --prompts-file: line 2 of" in capsys.readouterr().err
