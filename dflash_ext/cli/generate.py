@@ -25,7 +25,7 @@ def cmd_generate(args):
         raise SystemExit(f"python -m dflash_ext: {e}")
     prompts = [_chat_ids(tok, p) for p in args.prompts_file or [args.prompt]]
     if args.prompts_file:  # refused before any timing or decoding
-        _check_prompts_file(args)
+        _check_prompts_file(args, model, len(prompts))
     args.drafter = _drafter_path(args)
     load_drafter = lambda dt: DFlashDrafter.from_pretrained(args.drafter, device=args.device, dtype=dt)
     report = {}
@@ -48,12 +48,20 @@ def _chat_ids(tok, prompt: str) -> list:
                                    return_dict=True)["input_ids"]
 
 
-def _check_prompts_file(args) -> None:
+def _check_prompts_file(args, model, count: int) -> None:
     """Usage errors of --prompts-file, found before any timing or decoding: --static-cache (it decodes
-    one prompt)."""
+    one prompt), and batches on a target whose cache a batch cannot hold (sliding windows, linear
+    attention), whose prompts --batch-size 1 decodes one at a time as single prompts."""
+    from ..decode.batch import check_batchable
+
     if args.static_cache:
         raise UsageError("argument --static-cache: it decodes one prompt; --prompts-file decodes batches on the "
                          "dynamic cache")
+    if min(args.batch_size, count) > 1:  # a batch of one is the one-prompt loop, which every target runs
+        try:
+            check_batchable(model)
+        except NotImplementedError as e:
+            raise UsageError(f"argument --batch-size: {e}, which --batch-size 1 does") from None
 
 
 def _drafter_path(args):

@@ -25,9 +25,11 @@ def main(argv=None):
     g.add_argument("--prompt", type=prompt_text, default="Write a Python function that checks whether a number is prime.")
     g.add_argument("--prompts-file", type=prompts_file, default=None, metavar="FILE",
                    help="many prompts (JSONL with a \"prompt\" field, or one prompt per line), decoded in batches of "
-                        "--batch-size (each row accepts its own drafts; full-attention targets): one output per "
-                        "prompt, in order (in --json too); replaces --prompt")
-    g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together with --prompts-file")
+                        "--batch-size (each row accepts its own drafts; full-attention targets, others at "
+                        "--batch-size 1): one output per prompt, in order (in --json too); replaces --prompt")
+    g.add_argument("--batch-size", type=positive_int, default=8,
+                   help="prompts decoded together with --prompts-file; 1 decodes them one at a time, which targets "
+                        "with sliding windows or linear attention need (a batch cannot hold their caches)")
     g.add_argument("--target", type=target_name, default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
     g.add_argument("--drafter", type=drafter_folder, default=None, help="DFlash drafter checkpoint folder (reference format); "
                    "default for the embedded target: the one shipped in the package (python -m dflash_ext info)")
