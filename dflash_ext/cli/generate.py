@@ -12,6 +12,8 @@ from .args import UsageError, check_drafter_fits
 
 
 def cmd_generate(args):
+    """generate: the target and the drafter as the arguments ask, what cannot run refused before
+    any work, then the demo (one prompt or a prompts file) and its report (--json)."""
     from ..model.drafter import DFlashDrafter
     from ..model.pretrained import MissingPackage, load_target
     from ..ops.hardware import cpu_description
@@ -19,7 +21,7 @@ def cmd_generate(args):
     torch.set_num_threads(args.threads)
     where = cpu_description() if torch.device(args.device).type == "cpu" else args.device
     try:
-        dtype = torch.float32 if demo.measures(args) else getattr(torch, args.dtype)  # measured: cast after
+        dtype = torch.float32 if demo.measures(args) else getattr(torch, args.dtype)  # timed: fp32, copied after
         model, tok = load_target(args.target, dtype=dtype, device=args.device)
     except MissingPackage as e:
         raise SystemExit(f"python -m dflash_ext: {e}")
