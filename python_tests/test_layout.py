@@ -53,7 +53,7 @@ ORDER = [
     "decode.verify",     # the verify rules: rejection sampling, sample-and-match, batched over rows
     "decode.output",     # what the loops share: input checks, a row's output, the phase clock, GenerationResult
     "decode.step",       # speculative_step: draft -> verify -> accept -> roll back -> inject
-    "decode.autotune",   # every run-time timing: the block size, the target alone
+    "decode.autotune",   # every run-time timing of the decoding: the block size
     "decode.batch",      # batch_generate: many prompts, ragged acceptance, the RaggedCache
     "decode.loop",       # spec_generate, target_generate
     "diagnostics",       # dflash_ext.info(): what was built and what runs here
@@ -63,7 +63,8 @@ ORDER = [
     "training.trainer",  # the loop, evaluation, data splits
     "cli",
     "cli.args",          # typed arguments, usage errors
-    "cli.generate",      # generate, info
+    "cli.demo",          # the demo: the target alone timed, the dtype, DFlash's runs, the baseline, the repeats
+    "cli.generate",      # generate (its arguments, the target and drafter loaded), info
     "cli.training",      # gen-data, train, eval, export
     "cli.main",          # the parser
     "_deprecated",       # the old paths, one release

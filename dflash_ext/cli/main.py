@@ -24,12 +24,14 @@ def main(argv=None):
     g = sub.add_parser("generate", help="speculative generation with streaming output and statistics")
     g.add_argument("--prompt", type=prompt_text, default="Write a Python function that checks whether a number is prime.")
     g.add_argument("--prompts-file", type=prompts_file, default=None, metavar="FILE",
-                   help="many prompts, decoded in batches of "
-                        "--batch-size (each row accepts its own drafts; full-attention targets): one output per "
-                        "prompt, in order (in --json too); replaces --prompt. JSONL when its first line starts with "
-                        "'{' (every line an object with a \"prompt\" string), else one prompt per line; a line of the "
-                        "other kind is an error")
-    g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together with --prompts-file")
+                   help="many prompts, decoded in batches of --batch-size (each row accepts its own drafts; "
+                        "full-attention targets, others at --batch-size 1): one output per prompt, in order (in "
+                        "--json too); replaces --prompt. JSONL when its first line starts with '{' (every line an "
+                        "object with a \"prompt\" string), else one prompt per line; a line of the other kind is an "
+                        "error")
+    g.add_argument("--batch-size", type=positive_int, default=8,
+                   help="prompts decoded together with --prompts-file; 1 decodes them one at a time, which targets "
+                        "with sliding windows or linear attention need (a batch cannot hold their caches)")
     g.add_argument("--target", type=target_name, default=None, help="Hugging Face causal LM folder (default: embedded SmolLM2)")
     g.add_argument("--drafter", type=drafter_folder, default=None, help="DFlash drafter checkpoint folder (reference format); "
                    "default for the embedded target: the one shipped in the package (python -m dflash_ext info)")

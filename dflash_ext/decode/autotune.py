@@ -1,11 +1,10 @@
 """Every run-time timing of the decoding side, in one place: the verify block size that
 maximises expected tokens per second on this machine (:func:`choose_block_size`, ``block_size
-="auto"``) and the target alone timed in each dtype and linear-layer path
-(:func:`time_target_alone`, :func:`fastest_target_alone`: the demo's ``--dtype auto`` and
-``--baseline``). All time with :func:`median_seconds` (several functions in turns:
-:func:`interleaved_median_seconds`). (The LM-head padding is timed where
-it is decided, :func:`dflash_ext.ops.linear.lm_head_padding`: the draft step sits below this
-layer.)"""
+="auto"``; :func:`choose_block_sizes`: several pairs timed in the same rounds). All time with
+:func:`median_seconds` (several functions in turns: :func:`interleaved_median_seconds`, which
+the demo's timing of the target alone uses too, dflash_ext/cli/demo.py). (The LM-head padding
+is timed where it is decided, :func:`dflash_ext.ops.linear.lm_head_padding`: the draft step
+sits below this layer.)"""
 import contextlib
 import functools
 import time
@@ -16,13 +15,12 @@ import torch
 
 from ..draft.proposer import DFlashProposer
 from ..model.config import target_text_config
-from ..model.pretrained import cast_target
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
 from .rollback import CacheRollback
 from .runner import TargetRunner
 
-__all__ = ["median_seconds", "interleaved_median_seconds", "BlockSizeChoice", "choose_block_size", "choose_block_sizes", "time_target_alone", "fastest_target_alone"]
+__all__ = ["median_seconds", "interleaved_median_seconds", "BlockSizeChoice", "choose_block_size", "choose_block_sizes"]
 
 
 @dataclass
@@ -201,45 +199,3 @@ def _block_size_steps(target, drafter, context_len: int, candidates, static_cach
         "the drafter's held-out tokens per step as the loop walks"
     return _BlockSizeSteps(trained, source, expected, {b: (lambda b=b: step(b)) for b in sizes},
                            warmup=3 if runner.compiles else 0)
-
-
-@torch.no_grad()
-def _one_token_pass(model, ids):
-    """A function that runs one one-token pass of the target after the prompt `ids` (prefilled
-    here, through whatever linear layers are active now) and undoes it, so it can run again."""
-    runner = TargetRunner(model)
-    x = torch.as_tensor([ids], device=runner.device)
-    _, _, cache = runner(x, None, hidden_states=False, last_logits_only=True)
-    rollback = CacheRollback(cache, 1)  # undoes each timed pass on every cache kind (windows, hybrids)
-
-    @torch.no_grad()  # it runs later, outside this function: with grad on, the linears would not stream
-    def step():
-        runner(x[:, -1:], cache, hidden_states=False, last_logits_only=True, rollback=rollback)
-        rollback(1)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-    return step
-
-
-def time_target_alone(model, ids, stream: bool, reps: int = 7) -> float:
-    """Seconds of one one-token pass of the target alone after the prompt `ids` (median of
-    `reps`, after one untimed), its linear layers through skinny_linear (`stream`) or F.linear."""
-    with streamed_linears(model, enabled=stream):
-        return median_seconds(_one_token_pass(model, ids), reps, warmup=1)
-
-
-def fastest_target_alone(model, ids, device, reps: int = 7) -> tuple:
-    """({(dtype, stream): seconds per token}, {dtype: model}): the target alone timed in fp32
-    and bf16, on the CPU with its linear layers through F.linear and through skinny_linear
-    (which wins depends on the CPU and the dtype: it is measured, never assumed). The ways are
-    timed in rounds (:func:`interleaved_median_seconds`), so a drift of the machine's speed
-    cannot rank them. `model` is the fp32 one; the bf16 copy is made here."""
-    models = {torch.float32: model, torch.bfloat16: cast_target(model, torch.bfloat16)}
-    streams = (False, True) if torch.device(device).type == "cpu" else (False,)
-    ways = [(dtype, stream) for dtype in models for stream in streams]
-    streaming = {way: functools.partial(streamed_linears, models[way[0]], enabled=way[1]) for way in ways}
-    steps = {}
-    for way in ways:
-        with streaming[way]():
-            steps[way] = _one_token_pass(models[way[0]], ids)
-    return interleaved_median_seconds(steps, reps, warmup=1, around=streaming), models

@@ -14,7 +14,7 @@ from dflash_ext.testing.targets import tiny_target, tiny_target_config
 from dflash_ext.training.train_config import TrainConfig
 from dflash_ext.training.trainer import train
 from python_tests.cli.test_cli_args import _usage_error, _write_records, data, nothing_loads, target_dir  # noqa: F401
-from python_tests.cli.test_demo import _Tokenizer as ChatTokenizer
+from python_tests.cli.test_demo import _TextTokenizer, _Tokenizer as ChatTokenizer
 
 
 def _save(drafter, folder):
@@ -178,6 +178,51 @@ def test_static_cache_past_the_memory_is_a_usage_error_naming_max_new_tokens(mon
     err = _usage_error(["generate", "--target", "tiny", "--fresh-drafter", "--block-size", "4", "--dtype", "float32",
                         "--max-new-tokens", str(10 ** 12), "--draft-layers", "1", "--static-cache"], capsys)
     assert "argument --max-new-tokens: with --static-cache, a static cache of" in err and "bytes" in err, err
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5"])  # a sliding window; linear attention
+def test_a_prompts_file_in_batches_on_a_target_a_batch_cannot_hold_is_a_usage_error(family, monkeypatch, tmp_path,
+                                                                                    capsys):
+    """Issue 67: found before the target alone is timed or anything decodes, naming --batch-size 1
+    (before: a NotImplementedError traceback from the batch loop, exit status 1)."""
+    from dflash_ext.testing.targets import tiny_family_target
+
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target",
+                        lambda *a, **k: (tiny_family_target(family), ChatTokenizer()))
+
+    def refused(what):
+        return lambda *a, **k: pytest.fail(f"{what} ran before the usage error")
+    for name in ("spec_generate", "target_generate"):
+        monkeypatch.setattr(f"dflash_ext.decode.loop.{name}", refused(name))
+    monkeypatch.setattr("dflash_ext.cli.demo.fastest_target_alone", refused("the timing of the target alone"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    err = _usage_error(["generate", "--target", "tiny", "--prompts-file", str(prompts), "--fresh-drafter",
+                        "--draft-layers", "1", "--block-size", "4", "--max-new-tokens", "4", "--baseline"], capsys)
+    assert "argument --batch-size:" in err and family in err and "--batch-size 1" in err, err
+
+
+@pytest.mark.parametrize("lines, extra", [(["one", "the second prompt", "3"], ["--batch-size", "1"]),
+                                          (["a file of one prompt"], [])])  # the default --batch-size 8
+def test_a_prompts_file_one_prompt_at_a_time_decodes_on_a_sliding_window_target(lines, extra, monkeypatch, tmp_path,
+                                                                               capsys):
+    """A batch of one prompt is the one-prompt loop, which every target runs: each output is the
+    target alone's greedy output of its prompt."""
+    from dflash_ext import target_generate
+    from dflash_ext.testing.targets import tiny_family_target
+
+    target, tok = tiny_family_target("gpt_oss"), _TextTokenizer()
+    monkeypatch.setattr(dflash_ext.model.pretrained, "load_target", lambda *a, **k: (target, tok))
+    prompts, out = tmp_path / "p.txt", tmp_path / "report.json"
+    prompts.write_text("\n".join(lines) + "\n")
+    main(["generate", "--target", "tiny", "--prompts-file", str(prompts), "--fresh-drafter", "--draft-layers", "1",
+          "--block-size", "4", "--dtype", "float32", "--max-new-tokens", "8", "--json", str(out), *extra])
+    outputs = json.loads(out.read_text())["outputs"]
+    expected = [target_generate(target, tok.apply_chat_template([{"role": "user", "content": p}])["input_ids"],
+                                8).tokens for p in lines]
+    assert [o["tokens"] for o in outputs] == expected and all(len(t) == 8 for t in expected)
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("===")] == \
+        [f"=== prompt {i} ===" for i in range(len(lines))]
 
 
 class _CharTokenizer:

@@ -9,14 +9,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-import dflash_ext.cli.generate  # noqa: E402
+import dflash_ext.cli.demo  # noqa: E402
 import dflash_ext.decode.autotune  # noqa: E402
 import dflash_ext.model.pretrained  # noqa: E402
 from dflash_ext import BlockSizeChoice  # noqa: E402
 from dflash_ext.cli.main import main  # noqa: E402
 from dflash_ext.testing.targets import tiny_target  # noqa: E402
 
-_MARGIN = dflash_ext.cli.generate._CONTENDER_MARGIN
+_MARGIN = dflash_ext.cli.demo._CONTENDER_MARGIN
 
 
 class _Tokenizer:
@@ -78,13 +78,13 @@ def test_baseline_is_the_fastest_target_alone_measured(tiny_run, capsys):
 def _set_timings(monkeypatch, timings=None, others=3.0):
     """fastest_target_alone with the models it makes and set timings: `timings` (default fp32 with
     F.linear at 1.0), every other way `others`."""
-    real = dflash_ext.cli.generate.fastest_target_alone
+    real = dflash_ext.cli.demo.fastest_target_alone
     timings = timings or {(torch.float32, False): 1.0}
 
     def set_timings(model, ids, device):
         measured, models = real(model, ids, device)
         return {c: timings.get(c, others) for c in measured}, models
-    monkeypatch.setattr(dflash_ext.cli.generate, "fastest_target_alone", set_timings)
+    monkeypatch.setattr(dflash_ext.cli.demo, "fastest_target_alone", set_timings)
 
 
 @pytest.mark.parametrize("repeats", [1, 3])
@@ -349,3 +349,53 @@ def test_the_output_comparison_reuses_the_baselines_run_in_dflash_dtype(tiny_run
     assert report["baseline"]["config"] == "bfloat16 with skinny_linear"
     assert sorted(map(str, decoded)) == ["(torch.bfloat16, True)", "(torch.float32, False)"]  # nothing decoded again
     assert report["identical_to_baseline"] in (True, [True] * 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fastest_target_alone_times_the_ways_in_rounds(family, monkeypatch):
+    """The target alone's four ways on the CPU (fp32 / bf16, F.linear / skinny_linear) are timed
+    in rounds, one pass of each a round, each inside its own linear-layer setting (entered and
+    left untimed), so that a drift of the machine's speed cannot rank them."""
+    import contextlib
+
+    from dflash_ext.cli import demo
+    from dflash_ext.decode import autotune  # interleaved_median_seconds: the clock of the rounds
+
+    target = tiny_target(family)
+    events, real_streamed = [], demo.streamed_linears
+
+    @contextlib.contextmanager
+    def spy(model, enabled):
+        events.append(("enter", next(model.parameters()).dtype, enabled))
+        with real_streamed(model, enabled=enabled):
+            yield
+        events.append("exit")
+
+    monkeypatch.setattr(demo, "streamed_linears", spy)
+    real_clock = autotune.time.perf_counter
+    grad_in_timed_passes = []
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: events.append("t") or real_clock())
+    from dflash_ext.ops import linear as linear_module  # linear_rows: what a streamed layer runs
+
+    real_linear_rows = linear_module.linear_rows
+    monkeypatch.setattr(linear_module, "linear_rows", lambda layer, x: (
+        grad_in_timed_passes.append(torch.is_grad_enabled()), real_linear_rows(layer, x))[1])
+    timings, models = demo.fastest_target_alone(target, [5, 17, 33, 2, 9], "cpu", reps=2)
+    # a pass with grad on would keep every linear on F.linear (skinny_linear has no backward)
+    assert grad_in_timed_passes and not any(grad_in_timed_passes)
+    ways = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
+    assert list(timings) == ways and all(t > 0 for t in timings.values())
+    assert models[torch.float32] is target and next(models[torch.bfloat16].parameters()).dtype == torch.bfloat16
+    untimed = [e for way in ways for e in (("enter", *way), "exit")]  # the prefills, then the warm-up round
+    timed = [e for way in ways for e in (("enter", *way), "t", "t", "exit")]
+    assert events == untimed * 2 + timed * 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_the_cli_times_the_target_alone_on_every_cache_kind(family):
+    """generate's --dtype auto / --baseline time one-token passes past a window and on a hybrid."""
+    from dflash_ext.cli.demo import time_target_alone
+    from dflash_ext.testing.targets import SLIDING_WINDOW, tiny_family_target
+
+    prompt = list(range(5, 5 + 2 * SLIDING_WINDOW))
+    assert time_target_alone(tiny_family_target(family), prompt, stream=False, reps=2) > 0

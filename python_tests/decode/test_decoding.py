@@ -179,43 +179,6 @@ def test_interleaved_timing_takes_one_call_of_each_a_round(monkeypatch):
     assert autotune.median_seconds(lambda: call("c", 1.0), reps=1) == pytest.approx(1.9)
 
 
-def test_fastest_target_alone_times_the_ways_in_rounds(target, monkeypatch):
-    """The target alone's four ways on the CPU (fp32 / bf16, F.linear / skinny_linear) are timed
-    in rounds, one pass of each a round, each inside its own linear-layer setting (entered and
-    left untimed), so that a drift of the machine's speed cannot rank them."""
-    import contextlib
-
-    from dflash_ext.decode import autotune
-
-    events, real_streamed = [], autotune.streamed_linears
-
-    @contextlib.contextmanager
-    def spy(model, enabled):
-        events.append(("enter", next(model.parameters()).dtype, enabled))
-        with real_streamed(model, enabled=enabled):
-            yield
-        events.append("exit")
-
-    monkeypatch.setattr(autotune, "streamed_linears", spy)
-    real_clock = autotune.time.perf_counter
-    grad_in_timed_passes = []
-    monkeypatch.setattr(autotune.time, "perf_counter", lambda: events.append("t") or real_clock())
-    from dflash_ext.ops import linear as linear_module  # linear_rows: what a streamed layer runs
-
-    real_linear_rows = linear_module.linear_rows
-    monkeypatch.setattr(linear_module, "linear_rows", lambda layer, x: (
-        grad_in_timed_passes.append(torch.is_grad_enabled()), real_linear_rows(layer, x))[1])
-    timings, models = autotune.fastest_target_alone(target, PROMPTS[0], "cpu", reps=2)
-    # a pass with grad on would keep every linear on F.linear (skinny_linear has no backward)
-    assert grad_in_timed_passes and not any(grad_in_timed_passes)
-    ways = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
-    assert list(timings) == ways and all(t > 0 for t in timings.values())
-    assert models[torch.float32] is target and next(models[torch.bfloat16].parameters()).dtype == torch.bfloat16
-    untimed = [e for way in ways for e in (("enter", *way), "exit")]  # the prefills, then the warm-up round
-    timed = [e for way in ways for e in (("enter", *way), "t", "t", "exit")]
-    assert events == untimed * 2 + timed * 2
-
-
 def test_block_sizes_of_several_pairs_are_timed_in_the_same_rounds(target, monkeypatch):
     """choose_block_sizes (the demo's dtype race): one timing over every (pair, B), each step in
     its own pair's linear-layer setting; each pair's choice is its own fastest expected B."""

@@ -237,12 +237,3 @@ def test_a_pass_longer_than_the_recording_is_an_error():
         runner(torch.arange(20, 23)[None], cache, hidden_states=False, rollback=rollback)
     runner(torch.arange(20, 22)[None], cache, hidden_states=False, rollback=rollback)  # fits
     rollback(2)
-
-
-@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
-def test_the_cli_times_the_target_alone_on_every_cache_kind(family):
-    """generate's --dtype auto / --baseline time one-token passes past a window and on a hybrid."""
-    from dflash_ext.decode.autotune import time_target_alone
-
-    prompt = list(range(5, 5 + 2 * SLIDING_WINDOW))
-    assert time_target_alone(tiny_family_target(family), prompt, stream=False, reps=2) > 0
