@@ -141,6 +141,7 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     from dflash_ext.decode.rollback import CacheRollback
     from dflash_ext.decode.runner import TargetRunner, static_cache
     from dflash_ext.decode.step import DecodeState, speculative_step
+    from dflash_ext.sampling import Sampling
 
     B, n, device = args.block, prompt.shape[1], prompt.device
     runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=(B,) if static else ())
@@ -150,7 +151,7 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     state = DecodeState(cache, rollback, int(logits[0, -1].argmax()), n)
     proposer = DFlashProposer(drafter, target, capacity=cache_len)
     proposer.accept(hidden, slice(0, n), torch.arange(n, device=device))
-    sampling = dict(temperature=0.0, top_k=0, top_p=1.0, generator=None)
+    sampling = Sampling()  # greedy
     laps, emitted = {"draft": [], "verify": [], "other": []}, []
     for i in range(args.warmup + args.steps):
         totals, timer = dict.fromkeys(laps, 0.0), Timer(device)

@@ -25,7 +25,7 @@ MOVED = {
         **dict.fromkeys(("spec_generate", "target_generate"), "decode.loop"),
         **dict.fromkeys(("GenerationResult", "prompt_ids", "check_sampling"), "decode.output"),
         **dict.fromkeys(("speculative_step", "DecodeState"), "decode.step"),
-        **dict.fromkeys(("sample_token",), "draft.sampling"),
+        **dict.fromkeys(("sample_token",), "sampling"),
         **dict.fromkeys(("choose_block_size", "BlockSizeChoice"), "decode.autotune"),
     },
     "models": dict.fromkeys(("DEFAULT_TARGET_NAME", "EMBEDDED_TARGET_PACKAGE", "MissingPackage", "default_target_path",

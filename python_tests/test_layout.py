@@ -20,7 +20,7 @@ import warnings
 
 import dflash_ext
 
-LAYERS = ["ops", "testing", "prompts", "model", "draft", "decode", "diagnostics", "training", "cli", "_deprecated",
+LAYERS = ["ops", "testing", "prompts", "model", "sampling", "draft", "decode", "diagnostics", "training", "cli", "_deprecated",
           "__main__"]
 ORDER = [
     "ops.hardware",      # CPU features, the extension's loading, ISA level, dtype choice
@@ -38,10 +38,10 @@ ORDER = [
     "model.masks",       # context_mask, block_mask, windowed_bidirectional_attention
     "model.drafter",     # DFlashDrafter: weights, load, save, draft vocabulary, the training forward
     "model.pretrained",  # the embedded default target, the shipped drafter's path
+    "sampling",          # Sampling (the value a generation samples by), the logit processing, the sampled draft
     "draft",
     "draft.cache",       # DraftCache (the context cache), effective_windows
     "draft.layers",      # the fused decoder layer, the stacked weights it reads
-    "draft.sampling",    # the logit processing and token sampling (drafter and target), the sampled draft
     "draft.head",        # block_embedding, the draft vocabulary's LM head, draft_tokens
     "draft.graphs",      # CUDA graphs of the draft step
     "draft.runtime",     # DraftRuntime: one generation's drafting

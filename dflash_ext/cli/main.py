@@ -9,7 +9,7 @@ says what was built and what runs here.
 """
 import argparse
 
-from ..decode.verify import VERIFY_RULES
+from ..sampling import DEFAULT_VERIFY, VERIFY_RULES
 from .args import (UsageError, drafter_folder, drafter_init, existing_dir, int_from_2, nonnegative_float,
                    nonnegative_int, output_dir, output_file, parse_block_size, positive_float, positive_int,
                    probability, prompt_text, prompts_file, seed_int, target_name, torch_device, unit_fraction)
@@ -44,7 +44,7 @@ def main(argv=None):
     g.add_argument("--temperature", type=nonnegative_float, default=0.0)
     g.add_argument("--top-k", type=nonnegative_int, default=0, help="0: off")
     g.add_argument("--top-p", type=probability, default=1.0)
-    g.add_argument("--verify", choices=VERIFY_RULES, default="rejection",
+    g.add_argument("--verify", choices=VERIFY_RULES, default=DEFAULT_VERIFY,
                    help="the verify rule at temperature > 0 (both exact): rejection (default; sampled drafts accepted "
                         "with min(1, p/q)) or match (greedy drafts accepted while they equal the target's sample); "
                         "no effect at temperature 0")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..draft.sampling import Draft, sample_token, split_draft
+from ..sampling import Draft, Sampling, split_draft
 from .output import GenerationResult, PhaseClock, RowOutput, prompt_ids
 from .rollback import drop_tail
 from .runner import TargetRunner
@@ -181,7 +181,7 @@ class RowProposers:
         self.proposers[seq].accept(own, rows, positions)
 
     def propose_rows(self, seqs, last_tokens, positions, n: int):
-        """The rows' drafts stacked [rows, n], or a :class:`~dflash_ext.draft.sampling.Draft` of
+        """The rows' drafts stacked [rows, n], or a :class:`~dflash_ext.sampling.Draft` of
         them and their q stacked [rows, n, V] where the proposers return their q."""
         drafts = [split_draft(self.proposers[s].propose(t, p, n)) for s, t, p in zip(seqs, last_tokens, positions)]
         tokens = torch.stack([t.to(self.device) for t, _ in drafts])
@@ -195,15 +195,15 @@ class RowProposers:
 
 @torch.no_grad()
 def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_tokens: int, block_size: int,
-                   sampling: dict, stop_token_ids=(), on_tokens=None, streamers=None, layer_ids=None,
-                   rule: str = "match") -> List[GenerationResult]:
+                   sampling: Sampling, stop_token_ids=(), on_tokens=None, streamers=None,
+                   layer_ids=None) -> List[GenerationResult]:
     """One GenerationResult per prompt ([1, n_i] tensors), in order: DFlash over the batch with
     `proposer` (``accept(hidden states, rows, positions, seq, index)`` and ``propose_rows(seqs,
     last tokens, positions, n)``: a batched :class:`~dflash_ext.draft.proposer.DFlashProposer`
     or :class:`RowProposers`) at verify block `block_size`, or the target alone (`proposer`
-    None, `block_size` 1). `rule`: the verify rule (:func:`~.verify.verify_rows`, every row in
-    the same batched ops, each under its own q where ``propose_rows`` returns a
-    :class:`~dflash_ext.draft.sampling.Draft`). `on_tokens(row, tokens)` and ``streamers[row]``
+    None, `block_size` 1). `sampling`: the generation's :class:`~dflash_ext.sampling.Sampling`,
+    its `verify` the rule (:func:`~.verify.verify_rows`, every row in the same batched ops, each
+    under its own q where ``propose_rows`` returns a :class:`~dflash_ext.sampling.Draft`). `on_tokens(row, tokens)` and ``streamers[row]``
     receive each row's tokens.
     A row's times are the batch's while it was in it (the batch's phases are shared)."""
     check_batchable(target)
@@ -223,7 +223,7 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
     for r, ids in enumerate(prompts):  # prefilled alone: each row's first token as in a single run
         logits, hidden, cache = runner(ids, None, hidden_states=drafting, last_logits_only=True)
         clock("verify")
-        last = int(sample_token(logits[0, -1:], **sampling)[0])
+        last = int(sampling.token(logits[0, -1:])[0])
         if not drafting:  # the target alone counts its prefill's token as a step, as target_generate does
             outs[r].res.acceptance_lengths.append(1)
         if outs[r].emit([last]):
@@ -253,7 +253,7 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
         logits, hidden, ragged.cache = runner(block, ragged.cache, hidden_states=drafting and verify_size > 1,
                                               position_ids=positions, attention_mask=ragged.attention_mask(verify_size))
         clock("verify")
-        news = verify_rows(drafts, logits, sampling, probs, rule)
+        news = verify_rows(drafts, logits, sampling, probs)
         ragged.accept([len(new) for new in news], verify_size)
         clock("other")
         if drafting and verify_size > 1:

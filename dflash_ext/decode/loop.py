@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ..draft.proposer import DFlashProposer, Proposer
-from ..draft.sampling import sample_token
 from ..model.drafter import DFlashDrafter
 from ..ops.linear import streamed_linears
+from ..sampling import Sampling
 from . import runner as runner_module
 from .autotune import choose_block_size
 from .batch import RowProposers, batch_generate, check_batchable, per_row, prompt_rows, row_callback
@@ -20,7 +20,6 @@ from .output import GenerationResult, PhaseClock, RowOutput, check_on_tokens, ch
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .step import DecodeState, speculative_step
-from .verify import VERIFY_RULES
 
 __all__ = ["spec_generate", "target_generate"]
 
@@ -74,37 +73,38 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     proposer objects, one per prompt; `on_tokens(row, tokens)`; `streamer` None or a list of
     one per prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``); no
     `static_cache`. Every argument is checked before the prefill, with an error naming it."""
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
-    rule = "rejection" if verify is None else verify
-    if rule not in VERIFY_RULES:
-        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} (or None), got {verify!r}")
+    sampling = check_sampling(max_new_tokens, temperature, top_k, top_p, verify, generator)
     rows = prompt_rows(input_ids, target, "spec_generate")
     check_on_tokens(on_tokens, batch=rows is not None)
     _check_drafter(drafter, None if rows is None else len(rows))
-    if rows is not None:
-        return _spec_generate_batch(target, drafter, rows, max_new_tokens, temperature=temperature,
-                                    block_size=block_size, stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p,
-                                    generator=generator, fused=fused, on_tokens=on_tokens, draft_window=draft_window,
-                                    streamer=streamer, stream_linears=stream_linears, static_cache=static_cache,
-                                    rule=rule)
-    ids = prompt_ids(input_ids, target, "spec_generate")
+    _check_block_size(block_size, drafter)
+    options = dict(block_size=block_size, stop_token_ids=stop_token_ids, fused=fused, draft_window=draft_window,
+                   stream_linears=stream_linears, static_cache=static_cache)
+    if rows is None:
+        return _spec_generate_one(target, drafter, prompt_ids(input_ids, target, "spec_generate"), max_new_tokens,
+                                  sampling, on_tokens=on_tokens, streamer=streamer, **options)
+    return _spec_generate_batch(target, drafter, rows, max_new_tokens, sampling, on_tokens=on_tokens,
+                                streamer=streamer, **options)
+
+
+def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, block_size,
+                       stop_token_ids, fused, on_tokens, draft_window, streamer, stream_linears,
+                       static_cache) -> GenerationResult:
+    """spec_generate of one prompt, `ids` [1, n] on the target's device, its arguments checked."""
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
         device = ids.device
         n_prompt = ids.shape[1]
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if isinstance(drafter, DFlashDrafter):
             trained = drafter.config.block_size
             B = _block_size(target, drafter, block_size, n_prompt, max_new_tokens, stream_linears, static_cache)
             if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
-                return target_generate(target, ids, max_new_tokens, temperature=temperature,
-                                       stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
-                                       on_tokens=on_tokens, streamer=streamer, static_cache=static_cache)
-            proposer = _proposer(drafter, target, B, n_prompt, max_new_tokens, fused, draft_window,
-                                 sampling=sampling if rule == "rejection" else None)
+                return _target_generate_one(target, ids, max_new_tokens, sampling, stop_token_ids, on_tokens,
+                                            streamer, static_cache)
+            proposer = _proposer(drafter, target, B, n_prompt, max_new_tokens, fused, draft_window, sampling=sampling)
             layer_ids = drafter.config.target_layer_ids
         else:
-            B, proposer, trained = _proposer_block_size(block_size), drafter, 0
+            B, proposer, trained = block_size, drafter, 0
             layer_ids = getattr(drafter, "layer_ids", None)
             _reset([proposer], n_prompt + max_new_tokens + B)
         runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
@@ -116,14 +116,14 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
         clock = PhaseClock(device)
         logits, hidden, cache = runner(ids, cache, last_logits_only=True)
         clock("verify")
-        state = DecodeState(cache, CacheRollback(cache, B), int(sample_token(logits[0, -1:], **sampling)[0]), n_prompt)
+        state = DecodeState(cache, CacheRollback(cache, B), int(sampling.token(logits[0, -1:])[0]), n_prompt)
         done = out.emit([state.last])
         if not done and B > 1:
             proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
         clock("draft")
         while not done:
             verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-            new = speculative_step(runner, proposer, state, verify_size, sampling, clock, rule)
+            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
             before = len(res.tokens)
             done = out.emit(new)
             res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
@@ -142,17 +142,19 @@ def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: i
                                        static_cache=static_cache,
                                        static_cache_len=context_len + max_new_tokens + trained if static_cache else None,
                                        batch_size=batch_size).block_size
-    B = trained if block_size is None else block_size
-    if type(B) is not int or B < 1:  # bool too: True is no block size
-        raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
-    return B
+    return trained if block_size is None else block_size
 
 
-def _proposer_block_size(block_size) -> int:
-    """The verify block with proposer objects: an int >= 1 (they have no trained block to time or default to)."""
-    if type(block_size) is not int or block_size < 1:  # bool too: True is no block size
+def _check_block_size(block_size, drafter) -> None:
+    """`block_size` as the loop takes it, checked once at the way in: an int >= 1, or with a
+    DFlashDrafter also None (its trained block) or "auto" (timed); proposer objects have no
+    trained block to default to or time. Else a ValueError naming it."""
+    if type(block_size) is int and block_size >= 1:  # bool too: True is no block size
+        return
+    if not isinstance(drafter, DFlashDrafter):
         raise ValueError(f"block_size must be an int >= 1 with proposer objects, got {block_size!r}")
-    return block_size
+    if block_size is not None and not (isinstance(block_size, str) and block_size == "auto"):
+        raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
 
 
 def _check_drafter(drafter, batch: Optional[int]) -> None:
@@ -192,35 +194,33 @@ def _reset(proposers, positions: int) -> None:
 
 
 def _proposer(drafter, target, B: int, context_len: int, max_new_tokens: int, fused: bool, draft_window,
-              batch_size: int = 1, sampling=None) -> DFlashProposer:
+              sampling: Sampling, batch_size: int = 1) -> DFlashProposer:
     """The drafter against `target` for one generation of `batch_size` sequences of at most
     `context_len` prompt tokens. It runs the drafter over at least its trained block
     (DFlashProposer.propose); its cache is bounded by the budget but starts at the prompt
     and a few blocks, then grows with the answer: an answer that stops early never pays for
-    the budget. `sampling` (the rejection rule): the drafts sampled, with their q."""
+    the budget. `sampling`: the generation's (:attr:`~dflash_ext.sampling.Sampling.samples_drafts`:
+    the drafts sampled, with their q)."""
     block = max(B, drafter.config.block_size)
     return DFlashProposer(drafter, target, capacity=context_len + max_new_tokens + block,
                           initial_capacity=context_len + _FIRST_BLOCKS * block, fused=fused,
                           draft_window=draft_window, batch_size=batch_size, sampling=sampling)
 
 
-def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_tokens: int, temperature, block_size,
-                         stop_token_ids, top_k, top_p, generator, fused, on_tokens, draft_window, streamer,
-                         stream_linears, static_cache, rule) -> List[GenerationResult]:
+def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_tokens: int, sampling: Sampling,
+                         block_size, stop_token_ids, fused, on_tokens, draft_window, streamer, stream_linears,
+                         static_cache) -> List[GenerationResult]:
     """spec_generate over a list of prompts (:func:`~.batch.batch_generate`); a list of one runs
     the single-prompt loop."""
     streamers = per_row(streamer, len(rows), "streamer")
     if len(rows) == 1:  # a batch of one: the single-prompt loop itself
         one = drafter[0] if isinstance(drafter, (list, tuple)) else drafter
-        return [spec_generate(target, one, rows[0], max_new_tokens, temperature=temperature, block_size=block_size,
-                              stop_token_ids=stop_token_ids, top_k=top_k, top_p=top_p, generator=generator,
-                              fused=fused, on_tokens=row_callback(on_tokens, 0), draft_window=draft_window,
-                              streamer=streamers[0], stream_linears=stream_linears, static_cache=static_cache,
-                              verify=rule)]
+        return [_spec_generate_one(target, one, rows[0], max_new_tokens, sampling, block_size, stop_token_ids, fused,
+                                   row_callback(on_tokens, 0), draft_window, streamers[0], stream_linears,
+                                   static_cache)]
     if static_cache:
         raise ValueError("static_cache=True decodes one prompt: a batch of prompts runs on the dynamic cache")
     check_batchable(target)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     common = dict(stop_token_ids=stop_token_ids, on_tokens=on_tokens, streamers=streamers)
     longest = max(ids.shape[1] for ids in rows)
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
@@ -229,16 +229,15 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
             B = _block_size(target, drafter, block_size, longest, max_new_tokens, stream_linears, False, len(rows))
             if B == 1:  # nothing to draft: the target alone, batched
                 return batch_generate(target, None, rows, max_new_tokens, 1, sampling, **common)
-            proposer = _proposer(drafter, target, B, longest, max_new_tokens, fused, draft_window, len(rows),
-                                 sampling=sampling if rule == "rejection" else None)
+            proposer = _proposer(drafter, target, B, longest, max_new_tokens, fused, draft_window, sampling, len(rows))
             layer_ids = drafter.config.target_layer_ids
         else:
-            B = _proposer_block_size(block_size)
+            B = block_size
             _reset(drafter, longest + max_new_tokens + B)
             proposer = RowProposers(drafter, next(target.parameters()).device)
             layer_ids = getattr(drafter[0], "layer_ids", None)
         return batch_generate(target, proposer if B > 1 else None, rows, max_new_tokens, B, sampling,
-                              layer_ids=layer_ids, rule=rule, **common)
+                              layer_ids=layer_ids, **common)
 
 
 @torch.no_grad()
@@ -254,34 +253,37 @@ def target_generate(target, input_ids, max_new_tokens: int, temperature: float =
     passes compiled on CUDA (CUDA graphs, as transformers' generate runs a static cache there),
     eager on the CPU. A list of prompts: as :func:`spec_generate`'s, one batch, a list of
     results."""
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    sampling = check_sampling(max_new_tokens, temperature, top_k, top_p, generator=generator)
     rows = prompt_rows(input_ids, target, "target_generate")
     check_on_tokens(on_tokens, batch=rows is not None)
-    if rows is not None:  # a list of prompts: one batch (a list of one: the single-prompt loop)
+    with streamed_linears(target, enabled=stream_linears):
+        if rows is None:
+            return _target_generate_one(target, prompt_ids(input_ids, target, "target_generate"), max_new_tokens,
+                                        sampling, stop_token_ids, on_tokens, streamer, static_cache)
         streamers = per_row(streamer, len(rows), "streamer")
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if len(rows) == 1:
-            return [target_generate(target, rows[0], max_new_tokens, stop_token_ids=stop_token_ids,
-                                    on_tokens=row_callback(on_tokens, 0), streamer=streamers[0],
-                                    stream_linears=stream_linears, static_cache=static_cache, **sampling)]
+        if len(rows) == 1:  # a list of one: the single-prompt loop
+            return [_target_generate_one(target, rows[0], max_new_tokens, sampling, stop_token_ids,
+                                         row_callback(on_tokens, 0), streamers[0], static_cache)]
         if static_cache:
             raise ValueError("static_cache=True decodes one prompt: a batch of prompts runs on the dynamic cache")
-        with streamed_linears(target, enabled=stream_linears):
-            return batch_generate(target, None, rows, max_new_tokens, 1, sampling, stop_token_ids=stop_token_ids,
-                                  on_tokens=on_tokens, streamers=streamers)
-    with streamed_linears(target, enabled=stream_linears):
-        ids = prompt_ids(input_ids, target, "target_generate")
-        runner = TargetRunner(target, compiled_sizes=(1,) if static_cache else ())
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        out = RowOutput(ids, 1, max_new_tokens, stop_token_ids, on_tokens, streamer)
-        cache = runner_module.static_cache(target, ids.shape[1] + max_new_tokens) if static_cache else None
-        done = False
-        while not done:
-            logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)
-            t = int(sample_token(logits[0, -1:], **sampling)[0])
-            out.res.acceptance_lengths.append(1)
-            done = out.emit([t])
-            ids = torch.tensor([[t]], device=ids.device)
-        res = out.finish()
-        res.verify_time = res.total_time
-        return res
+        return batch_generate(target, None, rows, max_new_tokens, 1, sampling, stop_token_ids=stop_token_ids,
+                              on_tokens=on_tokens, streamers=streamers)
+
+
+def _target_generate_one(target, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, stop_token_ids,
+                         on_tokens, streamer, static_cache: bool) -> GenerationResult:
+    """target_generate of one prompt, `ids` [1, n] on the target's device (its linear layers
+    already as the caller streams them)."""
+    runner = TargetRunner(target, compiled_sizes=(1,) if static_cache else ())
+    out = RowOutput(ids, 1, max_new_tokens, stop_token_ids, on_tokens, streamer)
+    cache = runner_module.static_cache(target, ids.shape[1] + max_new_tokens) if static_cache else None
+    done = False
+    while not done:
+        logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)
+        t = int(sampling.token(logits[0, -1:])[0])
+        out.res.acceptance_lengths.append(1)
+        done = out.emit([t])
+        ids = torch.tensor([[t]], device=ids.device)
+    res = out.finish()
+    res.verify_time = res.total_time
+    return res

@@ -5,16 +5,17 @@ sequence's output as it grows (the budget, stop tokens, callbacks, streamer and 
 (:class:`GenerationResult`).
 """
 import inspect
-import math
 import numbers
 import operator
 import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import numpy as np
 import torch
+
+from ..sampling import DEFAULT_VERIFY, Sampling
 
 __all__ = ["GenerationResult", "token_ids", "prompt_ids", "check_sampling", "check_on_tokens", "PhaseClock",
            "RowOutput"]
@@ -139,20 +140,14 @@ def check_on_tokens(on_tokens, batch: bool) -> None:
         raise ValueError(f"on_tokens is called as {call}; the callable given takes {signature}") from None
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """Clear errors for sampling parameters outside their ranges (or not numbers: "1", None, True)."""
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, verify: Optional[str] = None,
+                   generator: Optional[torch.Generator] = None) -> Sampling:
+    """The loops' way in: the budget checked (an int >= 1; not a bool, "1" or None), and the
+    generation's :class:`~dflash_ext.sampling.Sampling` made (each field checked; `verify`
+    None: the default rule), a ValueError naming what is wrong."""
     if type(max_new_tokens) is not int or max_new_tokens < 1:  # bool too: True is no budget
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not _real(temperature) or not 0 <= temperature < math.inf:  # also rejects NaN
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if type(top_k) is not int or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not _real(top_p) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-
-
-def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return Sampling(temperature, top_k, top_p, DEFAULT_VERIFY if verify is None else verify, generator)
 
 
 def stop_ids(stop_token_ids) -> set:

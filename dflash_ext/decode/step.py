@@ -12,7 +12,7 @@ from typing import Callable, List
 
 import torch
 
-from ..draft.sampling import split_draft
+from ..sampling import Sampling, split_draft
 from .rollback import CacheRollback
 from .runner import TargetRunner
 from .verify import check_draft, verify
@@ -35,15 +35,15 @@ def _no_clock(phase: str) -> None:
     pass
 
 
-def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_size: int, sampling: dict,
-                     clock: Callable[[str], None] = _no_clock, rule: str = "match") -> List[int]:
+def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_size: int, sampling: Sampling,
+                     clock: Callable[[str], None] = _no_clock) -> List[int]:
     """One DFlash step over a block of `verify_size` tokens (1: the target alone, nothing
     drafted): returns the new tokens (the accepted drafts, then the target's own token) and
     advances `state`. `proposer`: ``propose(last_token, position, n)`` and ``accept(hidden
     states, rows, positions)`` (:class:`~dflash_ext.draft.proposer.DFlashProposer`);
-    `sampling`: :func:`~dflash_ext.draft.sampling.sample_token`'s keyword arguments; `rule`:
-    the verify rule (:data:`~.verify.VERIFY_RULES`); ``propose`` returns the draft tokens, or
-    (tokens, q) when it sampled them (:class:`~dflash_ext.draft.sampling.Draft`). `clock(phase)` is called as
+    `sampling`: the generation's :class:`~dflash_ext.sampling.Sampling` (its `verify`: the
+    rule); ``propose`` returns the draft tokens, or (tokens, q) when it sampled them
+    (:class:`~dflash_ext.sampling.Draft`). `clock(phase)` is called as
     each phase ends, for the caller's timing only."""
     drafted = proposer.propose(state.last, state.pos, verify_size - 1) \
         if verify_size > 1 else torch.empty(0, dtype=torch.long)
@@ -56,7 +56,7 @@ def speculative_step(runner: TargetRunner, proposer, state: DecodeState, verify_
     block = torch.cat([torch.tensor([state.last], device=runner.device), draft])[None]
     logits, hidden, state.cache = runner(block, state.cache, rollback=state.rollback)
     clock("verify")
-    new = verify(draft, logits[0], sampling, draft_probs, rule)
+    new = verify(draft, logits[0], sampling, draft_probs)
     accepted = len(new)  # the accepted drafts and the target's token
     state.rollback(block.shape[1] - accepted)
     clock("other")

@@ -1,11 +1,13 @@
 """The verify rule: which drafted tokens a verify pass accepts, and the token it emits after them.
 
-The target's distribution at each position of the block is p_k, its :func:`process_logits`
-distribution (temperature, top-k, top-p: the same processing as the drafter's q). Two rules,
+The target's distribution at each position of the block is p_k, its processed distribution
+(:func:`~dflash_ext.sampling.process_logits`: temperature, top-k, top-p, the same processing as
+the drafter's q). Two rules (:data:`~dflash_ext.sampling.VERIFY_RULES`, the generation's
+``Sampling.verify``),
 both exact (every emitted sequence follows the target's own law):
 
 - **rejection** (the default at T > 0; :func:`rejection_law`, :func:`rejection_sample`): the drafts x_k were sampled
-  from the drafter's q_k (a :class:`~dflash_ext.draft.sampling.Draft`; a proposer that returns
+  from the drafter's q_k (a :class:`~dflash_ext.sampling.Draft`; a proposer that returns
   plain tokens proposes them with certainty: q_k one-hot). In order, x_k is accepted with
   probability min(1, p_k(x_k) / q_k(x_k)); at the first rejection a sample of the normalised
   residual max(0, p_k - q_k) is emitted and the step ends; when every draft is accepted, a
@@ -28,12 +30,9 @@ from typing import List, Optional
 
 import torch
 
-from ..draft.sampling import process_logits, sample_token
+from ..sampling import Sampling
 
-__all__ = ["VERIFY_RULES", "verify", "verify_rows", "rejection_law", "rejection_sample", "check_draft"]
-
-VERIFY_RULES = ("rejection", "match")
-
+__all__ = ["verify", "verify_rows", "rejection_law", "rejection_sample", "check_draft"]
 
 def check_draft(draft, draft_probs: Optional[torch.Tensor], n: int, vocab_size: int, values: bool) -> None:
     """What a proposer returned, as the verify rules read it, else a ValueError naming the
@@ -99,20 +98,18 @@ def rejection_sample(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], t
     return accepted, candidates.gather(-1, accepted[..., None])[..., 0]
 
 
-def verify_rows(drafts: torch.Tensor, logits: torch.Tensor, sampling: dict,
-                draft_probs: Optional[torch.Tensor] = None, rule: str = "match") -> List[List[int]]:
+def verify_rows(drafts: torch.Tensor, logits: torch.Tensor, sampling: Sampling,
+                draft_probs: Optional[torch.Tensor] = None) -> List[List[int]]:
     """The tokens one verify pass emits in each row of a batch: the accepted drafts, then the
     target's token. `drafts [R, n]`: the drafted tokens; `logits [R, n + 1, V]`: the target's
     logits at the blocks' positions (each row's last accepted token, then its drafts);
-    `sampling`: :func:`sample_token`'s keyword arguments; `rule`: one of :data:`VERIFY_RULES`
-    (at temperature 0 both are the greedy match); `draft_probs [R, n, V]`: each row's q under
-    "rejection" (None: one-hot). Every row drawn in the same few batched ops; returns per row
+    `sampling`: the generation's :class:`~dflash_ext.sampling.Sampling`, whose `verify` is the
+    rule (at temperature 0 both are the greedy match); `draft_probs [R, n, V]`: each row's q
+    under "rejection" (None: one-hot). Every row drawn in the same few batched ops; returns per row
     between 1 and n + 1 tokens, read on the host in one transfer."""
-    if rule not in VERIFY_RULES:
-        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {rule!r}")
     n = drafts.shape[-1]
-    if rule == "match" or sampling["temperature"] <= 0:  # sample-and-match (the module)
-        rows = torch.cat([drafts, sample_token(logits, **sampling)], -1).tolist()
+    if sampling.verify == "match" or sampling.greedy:  # sample-and-match (the module)
+        rows = torch.cat([drafts, sampling.token(logits)], -1).tolist()
         out = []
         for row in rows:
             draft, target_tokens = row[:n], row[n:]
@@ -121,14 +118,12 @@ def verify_rows(drafts: torch.Tensor, logits: torch.Tensor, sampling: dict,
                 a += 1
             out.append(target_tokens[:a + 1])  # the accepted drafts equal the target's tokens
         return out
-    p = process_logits(logits, sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0))
-    accepted, token = rejection_sample(drafts, draft_probs, p.softmax(-1), sampling.get("generator"))
+    accepted, token = rejection_sample(drafts, draft_probs, sampling.probs(logits), sampling.generator)
     rows = torch.cat([accepted[:, None], drafts, token[:, None]], -1).tolist()
     return [row[1:1 + row[0]] + [row[-1]] for row in rows]
 
 
-def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: dict, draft_probs: Optional[torch.Tensor] = None,
-           rule: str = "match") -> List[int]:
+def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling,
+           draft_probs: Optional[torch.Tensor] = None) -> List[int]:
     """:func:`verify_rows` of one sequence: `draft [n]`, `logits [n + 1, V]`, `draft_probs [n, V]`."""
-    return verify_rows(draft[None], logits[None], sampling, None if draft_probs is None else draft_probs[None],
-                       rule)[0]
+    return verify_rows(draft[None], logits[None], sampling, None if draft_probs is None else draft_probs[None])[0]

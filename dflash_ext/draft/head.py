@@ -11,7 +11,7 @@ from torch import nn
 
 from ..model.layers import CandidateSelector
 from ..ops.linear import lm_head_linear
-from .sampling import greedy_token
+from ..sampling import greedy_token
 
 __all__ = ["block_embedding", "vocab_head", "draft_logits", "draft_tokens"]
 
@@ -74,7 +74,7 @@ def draft_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     vocabulary, `weight` holds the rows of those token ids only and `vocab` maps back. A
     DFlash2 drafter's `selector` drafts its path from the `anchor` tokens [Bsz] (the block's
     slot 0) over these logits instead of the argmax. (At T > 0 the draft is sampled:
-    :func:`~.sampling.sample_draft`.)"""
+    :func:`~dflash_ext.sampling.sample_draft`.)"""
     n = hidden.shape[1] - 1 if n is None else n
     logits = draft_logits(hidden, weight, bias, n)
     if selector is not None:

@@ -4,9 +4,11 @@ embedding and LM head: it takes the target's hidden states of the accepted token
 (:meth:`~DFlashProposer.accept`) and drafts the next block (:meth:`~DFlashProposer.propose`).
 Any object with these two methods is a proposer to the loop (:class:`Proposer`;
 :class:`~dflash_ext.testing.oracle.OracleProposer` is another)."""
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
+
+from ..sampling import Sampling
 
 from .head import block_embedding
 from .runtime import DraftRuntime
@@ -19,7 +21,7 @@ class Proposer(Protocol):
     """What ``spec_generate`` drives when it is given an object instead of a drafter (as
     transformers' ``CandidateGenerator`` is to ``generate``): ``accept`` takes the target's
     hidden states of the accepted tokens, ``propose`` returns n draft tokens ([n] long), or a
-    :class:`~.sampling.Draft` (the tokens and the q they were sampled from, [n, V]). One may
+    :class:`~dflash_ext.sampling.Draft` (the tokens and the q they were sampled from, [n, V]). One may
     also have ``reset(positions)``, called at the start of each generation that reaches
     `positions` positions (:meth:`DFlashProposer.reset`)."""
 
@@ -37,8 +39,8 @@ class DFlashProposer:
     are covered from host counts. So the whole step (block embedding, N layers, final norm,
     LM head, argmax or DFlash2's selector) is captured in a CUDA graph per block size and
     replayed (`cuda_graph`, default: on for a CUDA drafter with the fused ops); with
-    `sampling` (:func:`~.sampling.sample_token`'s keyword arguments; a temperature > 0: the
-    drafts are sampled, for the rejection verify rule) the graph ends at the LM head's logits
+    `sampling` (the generation's :class:`~dflash_ext.sampling.Sampling`: where it samples its
+    drafts, T > 0 under the rejection rule) the graph ends at the LM head's logits
     and the few sampling ops run after it, eagerly, with the sampling's generator. The injection
     after a verify runs eagerly (its token count varies), without a sync. On the CPU nothing
     of this applies: the ops validate and run eagerly.
@@ -55,7 +57,7 @@ class DFlashProposer:
     :meth:`propose_rows` drafts several in one pass (eagerly)."""
 
     def __init__(self, drafter, target, capacity: int, fused: bool = True, draft_window=None, cuda_graph=None,
-                 initial_capacity=None, batch_size: int = 1, sampling=None):
+                 initial_capacity=None, batch_size: int = 1, sampling: Optional[Sampling] = None):
         drafter.check_fits(target.config)
         on_cuda = drafter.fc.weight.device.type == "cuda"
         start = capacity if initial_capacity is None else min(initial_capacity, capacity)
@@ -66,7 +68,7 @@ class DFlashProposer:
         self.layer_ids = drafter.config.target_layer_ids
         self.block_size = drafter.config.block_size
         # At T > 0 under rejection sampling the drafts are sampled (their q goes to the verifier).
-        self.sampling = sampling if sampling is not None and sampling["temperature"] > 0 else None
+        self.sampling = sampling if sampling is not None and sampling.samples_drafts else None
         # Every position a block can reach: the cache holds <= capacity tokens, a block adds block_size.
         self.capacity, self.position_limit = capacity, capacity + drafter.config.block_size + 1
 
@@ -95,7 +97,7 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, last_token: int, position: int, n: int):
         """n draft tokens following `last_token` at `position`: the greedy ones, or with
-        `sampling` (a temperature > 0) a :class:`~.sampling.Draft` (the tokens sampled from the
+        `sampling` (where it samples drafts) a :class:`~dflash_ext.sampling.Draft` (the tokens sampled from the
         drafter's processed distribution q, and q). The drafter always runs
         over at least the block it was trained on (the same cost, and the problem it
         learned: fewer mask tokens change every slot's attention), and the LM head runs
@@ -106,7 +108,7 @@ class DFlashProposer:
     @torch.no_grad()
     def propose_rows(self, seqs, last_tokens, positions, n: int):
         """:meth:`propose` for the sequences `seqs` at once (one draft pass): the greedy tokens
-        [len(seqs), n], or with `sampling` a :class:`~.sampling.Draft` of them and their q
+        [len(seqs), n], or with `sampling` a :class:`~dflash_ext.sampling.Draft` of them and their q
         [len(seqs), n, V] (row i's q is row i's own, as :meth:`propose` returns it)."""
         return self.runtime.draft_rows(seqs, last_tokens, positions, self._width(max(positions), n), n,
                                        self.sampling)

@@ -10,11 +10,11 @@ import torch
 from .. import ops
 from ..model.layers import rope_tables
 from ..ops import reference
+from ..sampling import Draft, Sampling, sample_draft
 from .cache import DraftCache
 from .graphs import CapturedDraftStep
 from .head import draft_logits, draft_tokens, vocab_head
 from .layers import fused_layer, stacked_kv_weights, stacked_layer_weights
-from .sampling import Draft, sample_draft
 
 __all__ = ["DraftRuntime"]
 
@@ -185,18 +185,19 @@ class DraftRuntime:
         hidden, head = self._final_hidden(ids, positions, seqs)
         return hidden[:, 1:n + 1], draft_logits(hidden, *head, n)
 
-    def sample_draft(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, sampling: dict) -> Draft:
-        """The sampled draft (:func:`~.sampling.sample_draft`) of :meth:`draft_logits`' output
+    def sample_draft(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+                     sampling: Sampling) -> Draft:
+        """The sampled draft (:func:`~dflash_ext.sampling.sample_draft`) of :meth:`draft_logits`' output
         after the `anchor` tokens [Bsz]: q over the target's vocabulary."""
         return sample_draft(hidden, logits, self.lm_head.weight.shape[0], sampling, vocab=self.vocab,
                             selector=getattr(self.drafter, "candidate_selector", None), anchor=anchor)
 
     @torch.no_grad()
-    def draft(self, last_token: int, position: int, width: int, n: int, sampling: Optional[dict] = None):
+    def draft(self, last_token: int, position: int, width: int, n: int, sampling: Optional[Sampling] = None):
         """The first n draft tokens [n] of sequence 0's block [last_token, MASK x width] at the
         positions ``position .. position + width`` (covered here, from host numbers): greedy,
-        or with `sampling` (:func:`~.sampling.sample_token`'s keyword arguments, temperature >
-        0) a :class:`~.sampling.Draft` of them and their q [n, V]. With `cuda_graph`, a replay
+        or with `sampling` (a :class:`~dflash_ext.sampling.Sampling` at temperature > 0) a
+        :class:`~dflash_ext.sampling.Draft` of them and their q [n, V]. With `cuda_graph`, a replay
         of the step captured for (width, n) (at T > 0: up to the logits, the sampling after
         it), captured anew once what it reads changed (:meth:`graph_layout`); without, one row
         of :meth:`draft_rows`."""
@@ -218,11 +219,11 @@ class DraftRuntime:
 
     @torch.no_grad()
     def draft_rows(self, seqs: Sequence[int], last_tokens: Sequence[int], positions: Sequence[int], width: int,
-                   n: int, sampling: Optional[dict] = None):
+                   n: int, sampling: Optional[Sampling] = None):
         """:meth:`draft` for several sequences at once: the first n draft tokens [len(seqs), n] of
         the blocks [last_tokens[i], MASK x width] of sequences `seqs` at the positions
         ``positions[i] .. positions[i] + width``, in one pass of the layers (eagerly: the captured
-        steps are :meth:`draft`'s, one sequence); with `sampling` a :class:`~.sampling.Draft`
+        steps are :meth:`draft`'s, one sequence); with `sampling` a :class:`~dflash_ext.sampling.Draft`
         of them and their q [len(seqs), n, V] (row i's q drawn from row i's logits)."""
         self.cover(max(positions) + width + 1)
         ids = torch.full((len(seqs), width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)

@@ -179,7 +179,7 @@ class CandidateSelector(nn.Module):
         """(path [Bsz, n], candidates [Bsz, n, K]): the walk from the anchor tokens, slot j
         taking the candidate ``choose(scores [Bsz, K])`` (an index [Bsz]) picks among its
         candidates' scores after the token taken at slot j - 1 (greedy: the argmax; at T > 0
-        a sample, :func:`~dflash_ext.draft.sampling.sample_draft`)."""
+        a sample, :func:`~dflash_ext.sampling.sample_draft`)."""
         unary, candidates = self.top_candidates(self.unary(logits), vocab)  # [Bsz, n, K]
         gate = self.gate(hidden)  # [Bsz, n, R]
         previous, path = anchor, []

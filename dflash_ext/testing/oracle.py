@@ -28,7 +28,7 @@ class OracleProposer:
 class DistributionProposer:
     """Drafts every slot from the fixed distribution `probs` [V] over the target's vocabulary
     (uniform, a point mass...), with `generator`, and returns (tokens, q) as a sampling
-    drafter does (:class:`~dflash_ext.draft.sampling.Draft`)."""
+    drafter does (:class:`~dflash_ext.sampling.Draft`)."""
 
     def __init__(self, probs, generator=None):
         self.probs, self.generator = torch.as_tensor(probs, dtype=torch.float32), generator

@@ -7,6 +7,7 @@ import torch
 
 from dflash_ext import DFlashDrafter, DFlashProposer
 from dflash_ext.draft.runtime import DraftRuntime
+from dflash_ext.sampling import Sampling
 
 from dflash_ext.testing.targets import tiny_target, tiny_target_config
 from python_tests.helpers import HAS_CUDA
@@ -99,7 +100,7 @@ def test_cuda_graph_replays_equal_the_eager_step_as_the_context_grows(dtype, dra
 
 
 def _sampling(seed=0):
-    return dict(temperature=0.8, top_k=20, top_p=0.95, generator=torch.Generator("cuda").manual_seed(seed))
+    return Sampling(temperature=0.8, top_k=20, top_p=0.95, generator=torch.Generator("cuda").manual_seed(seed))
 
 
 @CUDA_ONLY

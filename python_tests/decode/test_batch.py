@@ -222,13 +222,13 @@ def test_propose_rows_returns_each_rows_q_as_propose_does():
     tokens drawn where that q is positive; greedy, plain tokens equal to each row's own."""
     from dflash_ext.decode.runner import TargetRunner
     from dflash_ext.draft.proposer import DFlashProposer
-    from dflash_ext.draft.sampling import Draft
+    from dflash_ext.sampling import Draft, Sampling
 
     target = tiny_family_target("qwen3", seed=4)
     drafter = DFlashDrafter.from_target(target.config, num_layers=2, block_size=4)
     runner = TargetRunner(target, drafter.config.target_layer_ids)
     prompts = [torch.tensor([p]) for p in PROMPTS[:3]]
-    for sampling in (dict(temperature=1.0, top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(0)), None):
+    for sampling in (Sampling(temperature=1.0, top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(0)), None):
         batch = DFlashProposer(drafter, target, capacity=64, batch_size=len(prompts), sampling=sampling)
         singles_ = [DFlashProposer(drafter, target, capacity=64, sampling=sampling) for _ in prompts]
         lasts = []
@@ -259,11 +259,11 @@ def test_the_batch_hands_each_rows_q_to_the_rule(monkeypatch, rule):
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
     seen, real = [], batch_module.verify_rows
 
-    def spy(drafts, logits, sampling, probs, rule_):
-        seen.append((tuple(drafts.shape), None if probs is None else tuple(probs.shape), rule_))
+    def spy(drafts, logits, sampling, probs):
+        seen.append((tuple(drafts.shape), None if probs is None else tuple(probs.shape), sampling.verify))
         if probs is not None:  # each row's drafts drawn where its own q is positive
             assert bool((probs.gather(-1, drafts[..., None]) > 0).all())
-        return real(drafts, logits, sampling, probs, rule_)
+        return real(drafts, logits, sampling, probs)
 
     monkeypatch.setattr(batch_module, "verify_rows", spy)
     spec_generate(target, drafter, PROMPTS[:3], 8, temperature=1.0, verify=rule,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.draft.runtime import DraftRuntime
-from dflash_ext.draft.sampling import sample_token
+from dflash_ext.sampling import sample_token
 from dflash_ext.testing.oracle import OracleProposer
 from dflash_ext.testing.targets import tiny_target
 

@@ -10,7 +10,7 @@ import torch
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode.verify import rejection_law, rejection_sample, verify
-from dflash_ext.draft.sampling import process_logits
+from dflash_ext.sampling import Sampling, process_logits
 from dflash_ext.testing.oracle import DistributionProposer, OracleProposer
 from dflash_ext.testing.targets import tiny_family_target, tiny_target
 from python_tests.decode.test_dflash2_decoding import random_dflash2
@@ -271,7 +271,7 @@ def test_verify_names_a_bad_rule():
     with pytest.raises(ValueError, match="verify must be one of 'rejection', 'match'"):
         spec_generate(target, drafter, [1, 2], 4, temperature=1.0, verify="accept-all")
     with pytest.raises(ValueError, match="verify must be one of"):
-        verify(torch.tensor([1]), torch.zeros(2, 4), dict(temperature=1.0), rule="typo")
+        verify(torch.tensor([1]), torch.zeros(2, 4), Sampling(temperature=1.0, verify="typo"))
 
 
 def test_sampled_drafts_come_from_the_processed_distribution():
@@ -286,7 +286,7 @@ def test_sampled_drafts_come_from_the_processed_distribution():
     prompt = [5, 17, 33, 2, 9]
     _, hidden, _ = TargetRunner(target, drafter.config.target_layer_ids)(torch.tensor([prompt]), None)
     g = torch.Generator().manual_seed(0)
-    proposer = DFlashProposer(drafter, target, capacity=64, sampling=dict(temperature=0.7, top_k=5, generator=g))
+    proposer = DFlashProposer(drafter, target, capacity=64, sampling=Sampling(0.7, top_k=5, generator=g))
     proposer.accept(hidden, slice(0, len(prompt)), torch.arange(len(prompt)))
     tokens, q = proposer.propose(3, len(prompt), 3)
     assert q.shape == (3, 128)

@@ -10,7 +10,7 @@ import torch
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode.output import check_sampling
-from dflash_ext.draft.sampling import sample_token
+from dflash_ext.sampling import sample_token
 from dflash_ext.testing.targets import tiny_target
 
 TINY = [1e-8, 1e-30, 1e-40, 1e-300, 5e-324]  # 5e-324: the smallest float above 0

@@ -9,7 +9,7 @@ from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode.rollback import CacheRollback
 from dflash_ext.decode.runner import TargetRunner
 from dflash_ext.decode.step import DecodeState, speculative_step
-from dflash_ext.draft.sampling import process_logits
+from dflash_ext.sampling import Sampling, process_logits
 from dflash_ext.testing.oracle import OracleProposer
 from dflash_ext.testing.targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
 
@@ -116,7 +116,7 @@ def test_a_rejection_at_every_block_position_rolls_back_to_a_fresh_prefill(famil
     B, prompt, steps = 4, PROMPTS[0], 4
     base = target_generate(target, prompt, 1 + steps * B).tokens
     runner = TargetRunner(target)
-    sampling = dict(temperature=0.0, top_k=0, top_p=1.0, generator=None)
+    sampling = Sampling()  # greedy
     for wrong in range(B):
         logits, _, cache = runner(torch.tensor([prompt]), None, hidden_states=False, last_logits_only=True)
         state = DecodeState(cache, CacheRollback(cache, B), int(logits[0, -1].argmax()), len(prompt))

@@ -1,10 +1,10 @@
-"""greedy_token (dflash_ext/draft/sampling.py): the argmax the greedy loop and the drafter take,
+"""greedy_token (dflash_ext/sampling.py): the argmax the greedy loop and the drafter take,
 widened to float32 on the CPU for bf16/fp16 logits (faster there); the index must be exactly
 torch's own argmax of the same logits, ties (first maximum), infinities and NaN included."""
 import pytest
 import torch
 
-from dflash_ext.draft.sampling import greedy_token, sample_token
+from dflash_ext.sampling import greedy_token, sample_token
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -1,7 +1,7 @@
-# greedy_token (dflash_ext/draft/sampling.py) against torch.argmax on bf16 logits on the CPU: torch.utils.benchmark medians.
+# greedy_token (dflash_ext/sampling.py) against torch.argmax on bf16 logits on the CPU: torch.utils.benchmark medians.
 # Run from the repository root: .venv/bin/python bench/results/greedy_token/argmax_bench.py (output: argmax_bench.txt)
 import torch, torch.utils.benchmark as tb
-from dflash_ext.draft.sampling import greedy_token
+from dflash_ext.sampling import greedy_token
 torch.set_num_threads(2)
 for shape in ((1, 1, 49152), (1, 4, 49152), (1, 3, 16384)):
     x = torch.randn(shape).bfloat16()

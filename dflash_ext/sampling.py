@@ -1,22 +1,80 @@
-"""Sampling a token from logits, for the drafter and the target alike: the one logit
-processing (:func:`process_logits`: temperature, top-k, top-p), a token of it
-(:func:`sample_token`), and the drafter's sampled draft at T > 0 (:func:`sample_draft`: each
+"""Sampling, the target's and the drafter's alike, in one place: :class:`Sampling`, the one
+value a generation samples by (temperature, top-k, top-p, the verify rule, the generator),
+checked once where it is made and passed down; the one logit processing
+(:func:`process_logits`), the greedy token (:func:`greedy_token`) and a token of it
+(:func:`sample_token`); and the drafter's sampled draft at T > 0 (:func:`sample_draft`: each
 slot's token and the distribution q it was drawn from, a :class:`Draft`, which the rejection
 verify rule reads: :func:`~dflash_ext.decode.verify.verify`).
 
-It lives here, below the decoding, because both sides sample with it: the drafter's q is
-processed exactly as the target's p (the same temperature, top-k and top-p), over the draft
-vocabulary where the drafter has one (q is zero outside it), or for a DFlash2 drafter over
-each slot's top-K candidates along the selector's walk (softmax(scores / T), as the serving
-engines sample it).
+The drafter's q is processed exactly as the target's p (the same temperature, top-k and top-p),
+over the draft vocabulary where the drafter has one (q is zero outside it), or for a DFlash2
+drafter over each slot's top-K candidates along the selector's walk (softmax(scores / T), as
+the serving engines sample it).
 """
+import math
+import numbers
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..model.layers import CandidateSelector
+from .model.layers import CandidateSelector
 
-__all__ = ["process_logits", "greedy_token", "sample_token", "Draft", "split_draft", "sample_draft"]
+__all__ = ["VERIFY_RULES", "DEFAULT_VERIFY", "Sampling", "process_logits", "greedy_token", "sample_token", "Draft", "split_draft",
+           "sample_draft"]
+
+# The verify rules at T > 0 (dflash_ext.decode.verify): rejection sampling of sampled drafts
+# (the default), or sample-and-match of greedy drafts. At T = 0 both are the greedy match.
+VERIFY_RULES = ("rejection", "match")
+DEFAULT_VERIFY = "rejection"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generation picks its tokens, one value for the target and the drafter: at
+    `temperature` 0 the argmax, else a sample of the :func:`process_logits` distribution
+    (`top_k`: 0 = off; `top_p`: 1 = off) drawn with `generator`; `verify`, the rule at T > 0
+    (one of :data:`VERIFY_RULES`). Checked when made (a ValueError naming the field)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    verify: str = DEFAULT_VERIFY
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self):
+        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} (or None), "
+                             f"got {self.verify!r}")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @property
+    def samples_drafts(self) -> bool:
+        """The drafter samples its drafts and hands over their q (rejection sampling at T > 0);
+        otherwise it drafts its argmax (the greedy match, or sample-and-match)."""
+        return not self.greedy and self.verify == "rejection"
+
+    def token(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits [..., V]`` (:func:`sample_token`)."""
+        return sample_token(logits, self.temperature, self.top_k, self.top_p, self.generator)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a token is sampled from, ``[..., V]`` (float32; T > 0)."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -79,21 +137,20 @@ def split_draft(proposed):
     return tuple(proposed) if isinstance(proposed, tuple) else (proposed, None)
 
 
-def sample_draft(hidden: torch.Tensor, logits: torch.Tensor, vocab_size: int, sampling: dict,
+def sample_draft(hidden: torch.Tensor, logits: torch.Tensor, vocab_size: int, sampling: Sampling,
                  vocab: Optional[torch.Tensor] = None, selector: Optional[CandidateSelector] = None,
                  anchor: Optional[torch.Tensor] = None) -> Draft:
     """The drafter's draft at T > 0 from the prediction slots' final hidden states
     ``hidden [Bsz, n, H]`` and LM-head ``logits [Bsz, n, V']`` (V' the draft vocabulary when
     `vocab` maps its rows to token ids): each slot's token sampled from q = the
-    :func:`process_logits` distribution (`sampling`: :func:`sample_token`'s keyword arguments,
-    temperature > 0), or a DFlash2 drafter's `selector` walk from the `anchor` tokens [Bsz],
+    :func:`process_logits` distribution (`sampling`'s temperature > 0, top-k, top-p; its
+    generator draws), or a DFlash2 drafter's `selector` walk from the `anchor` tokens [Bsz],
     each slot sampled from its candidates' processed scores after the token drawn before it.
     q is returned over the `vocab_size` token ids of the target (zero outside V' / the K
     candidates)."""
-    temperature, top_k, top_p = sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0)
-    generator = sampling.get("generator")
+    temperature, top_k, top_p, generator = sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator
     if not temperature > 0:
-        raise ValueError(f"sample_draft samples at a temperature > 0, got {temperature!r} (greedy: draft_tokens)")
+        raise ValueError(f"sample_draft samples at a temperature > 0, got {temperature!r} (greedy: dflash_ext.draft.head.draft_tokens)")
     Bsz, n = logits.shape[:2]
     if selector is None:
         q = process_logits(logits, temperature, top_k, top_p).softmax(-1)  # [Bsz, n, V']
