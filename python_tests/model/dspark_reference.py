@@ -1,12 +1,17 @@
 """Tiny DeepSpec checkpoints as DeepSpec's trainer writes them (a Qwen3 config.json with the
-drafter fields at the top level; safetensors named as its modules), written for the tests
-from DeepSpec's description (issue 64), not from dflash_ext."""
+drafter fields at the top level; safetensors named as its modules), and DSpark's draft of one
+block from the raw tensors of such a file, slot by slot in float64: written for the tests from
+DeepSpec's description (issue 64, the DSpark paper's formulas), not from its code nor from
+dflash_ext.model.dspark. The backbone is plain_reference's draft step
+(transformers' rotary embedding, plain attention under the authors' mask)."""
+import copy
 import json
 import os
 
 import torch
+import torch.nn.functional as F
 
-from .plain_reference import D, H, HKV, HQ
+from .plain_reference import D, H, HKV, HQ, plain_draft_step
 
 V, INTERMEDIATE, TARGET_LAYERS, LAYER_IDS, MASK, BLOCK, RANK = 100, 96, 6, [1, 4], 99, 7, 8
 # name -> (markov_rank, markov_head_type, confidence head: None / "with_markov" / "hidden_only")
@@ -96,3 +101,66 @@ def write_deepspec_checkpoint(path: str, d: dict, tensors: dict) -> str:
         json.dump(d, f, indent=2)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def _sigmoid(x):
+    return 1 / (1 + torch.exp(-x))
+
+
+def reference_block(drafter, d: dict, t: dict, feats, anchor: int, temperature=0.0, threshold=0.0, generator=None):
+    """(kept tokens, every slot's corrected logits [B, V], confidences [B] or None, q [n, V] or
+    None) of the block drafted after the context `feats` [S, k*H] from the last token `anchor`:
+    slot k drafts the token at anchor + k + 1; its logits are lm_head(h_k) plus the Markov
+    term after prev_k (prev_0 the anchor, then the token drafted at k - 1); greedy at T = 0,
+    else a draw from softmax(logits / T); then the block is cut before the first slot whose
+    confidence is below `threshold` (> 0). Weights are the raw tensors `t` of the file
+    (`drafter` only lends them to the backbone's plain step)."""
+    t = {k: v.double() for k, v in t.items()}
+    S = feats.shape[0]
+    ids = [anchor] + [MASK] * (BLOCK - 1)
+    qwen3 = {k: v for k, v in d.items() if k not in ("target_layer_ids", "mask_token_id", "num_anchors",
+                                                      "markov_rank", "markov_head_type", "enable_confidence_head",
+                                                      "confidence_head_with_markov")}
+    hidden = plain_draft_step(copy.deepcopy(drafter).double(), qwen3, feats.double(), t["embed_tokens.weight"][ids], S)
+    kind, r = d.get("markov_head_type"), d["markov_rank"]
+    tokens, logits, prevs, prev, state = [], [], [], anchor, torch.zeros(r, dtype=torch.float64)
+    for k in range(BLOCK):
+        h = hidden[k]
+        z = t["lm_head.weight"] @ h
+        if r:
+            e = t["markov_head.markov_w1.weight"][prev]
+            if kind == "vanilla":
+                m = e
+            elif kind == "gated":
+                m = _sigmoid(t["markov_head.gate_proj.weight"] @ torch.cat([h, e]) + t["markov_head.gate_proj.bias"]) * e
+            else:
+                j = t["markov_head.joint_proj.weight"] @ torch.cat([state, e, h]) + t["markov_head.joint_proj.bias"]
+                gate, cand, out = _sigmoid(j[:r]), torch.tanh(j[r:2 * r]), torch.tanh(j[2 * r:])
+                state = gate * state + (1 - gate) * cand
+                m = out
+            z = z + t["markov_head.markov_w2.weight"] @ m
+        prevs.append(prev)
+        if temperature == 0:
+            prev = int(z.argmax())
+        else:
+            prev = int(torch.multinomial(torch.softmax(z / temperature, -1).float(), 1, generator=generator))
+        tokens.append(prev)
+        logits.append(z)
+    logits = torch.stack(logits)
+    confidence, kept = None, BLOCK
+    if d["enable_confidence_head"]:
+        confidence = []
+        for k in range(BLOCK):
+            x = hidden[k]
+            if d["confidence_head_with_markov"]:
+                x = torch.cat([x, t["markov_head.markov_w1.weight"][prevs[k]]])
+            confidence.append(_sigmoid(t["confidence_head.proj.weight"][0] @ x + t["confidence_head.proj.bias"][0]))
+        confidence = torch.stack(confidence)
+        if threshold > 0:
+            kept = next((k for k in range(BLOCK) if confidence[k] < threshold), BLOCK)
+    q = None if temperature == 0 else torch.softmax(logits[:kept] / temperature, -1)
+    return tokens[:kept], logits, confidence, q
+
+
+def context_features(seed: int = 1, S: int = 11):
+    return torch.randn(S, len(LAYER_IDS) * H, generator=torch.Generator().manual_seed(seed))

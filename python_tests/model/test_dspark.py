@@ -1,5 +1,7 @@
 """DeepSpec's format (issue 64): DSpark and DeepSpec-DFlash checkpoints load, save back
-exactly and name their bad config values."""
+exactly, name their bad config values, and draft the blocks an independent reference
+(dspark_reference.py, from DeepSpec's description) drafts from the same weights: greedy at
+confidence threshold 0 and above it, and sampled with the same generator."""
 import json
 import os
 
@@ -8,7 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_ext import DFlashConfig, DFlashDrafter
-from python_tests.model.dspark_reference import VARIANTS, deepspec_config, random_tensors, write_deepspec_checkpoint
+from dflash_ext.model.dspark import dspark_draft
+from python_tests.model.dspark_reference import (BLOCK, VARIANTS, context_features, deepspec_config, random_tensors,
+                                                 reference_block, write_deepspec_checkpoint)
+
+WITH_CONFIDENCE = [v for v, (_, _, conf) in VARIANTS.items() if conf is not None]
+
 
 def checkpoint(tmp_path, variant, dtype=torch.float32, seed=0, edit=None):
     """A DeepSpec checkpoint of `variant` with random weights, its config.json edited by `edit`
@@ -122,3 +129,87 @@ def test_dspark_fields_need_deepspecs_format():
                                                       "vocab_size", "num_target_layers", "target_layer_ids",
                                                       "mask_token_id")}, "markov_rank": 8,
                         "markov_head_type": "vanilla"})
+
+
+def _compare(ours, ref, temperature=0.0):
+    tokens, logits, confidence, q = ref
+    assert ours.tokens.tolist() == tokens
+    assert ours.logits.shape == (BLOCK, logits.shape[1])
+    torch.testing.assert_close(ours.logits.double(), logits, atol=1e-4, rtol=1e-4)
+    if confidence is None:
+        assert ours.confidence is None
+    else:
+        torch.testing.assert_close(ours.confidence.double(), confidence, atol=1e-5, rtol=1e-5)
+    if temperature == 0:
+        assert ours.q is None
+    else:
+        torch.testing.assert_close(ours.q.double(), q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_drafts_equal_the_reference_block_for_block(tmp_path, variant):
+    path, d, tensors = checkpoint(tmp_path, variant)
+    drafter = DFlashDrafter.from_pretrained(path).eval()
+    feats = context_features()
+    for S, anchor in ((3, 5), (7, 42), (11, 99)):  # 99: the mask token, a valid anchor all the same
+        ours = dspark_draft(drafter, feats[:S], anchor)
+        assert ours.tokens.shape == (BLOCK,)  # every slot drafts at threshold 0
+        _compare(ours, reference_block(drafter, d, tensors, feats[:S], anchor))
+
+
+@pytest.mark.parametrize("variant", WITH_CONFIDENCE)
+def test_a_positive_threshold_cuts_the_block_where_the_reference_does(tmp_path, variant):
+    path, d, tensors = checkpoint(tmp_path, variant)
+    drafter = DFlashDrafter.from_pretrained(path).eval()
+    feats = context_features(seed=2)
+    kept = set()
+    for S, anchor in ((4, 7), (9, 31), (6, 0), (11, 64)):
+        # thresholds between the block's own confidences (the reference's): every cut it has
+        c = sorted(reference_block(drafter, d, tensors, feats[:S], anchor)[2].tolist())
+        for threshold in [c[0] / 2] + [(a + b) / 2 for a, b in zip(c, c[1:])] + [(c[-1] + 1) / 2]:
+            ref = reference_block(drafter, d, tensors, feats[:S], anchor, threshold=threshold)
+            _compare(dspark_draft(drafter, feats[:S], anchor, confidence_threshold=threshold), ref)
+            kept.add(len(ref[0]))
+    # the thresholds cut these random blocks somewhere inside, not only whole or empty
+    assert kept & set(range(1, BLOCK)), kept
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sampled_drafts_equal_the_reference_with_the_same_generator(tmp_path, variant):
+    path, d, tensors = checkpoint(tmp_path, variant)
+    drafter = DFlashDrafter.from_pretrained(path).eval()
+    feats = context_features(seed=3)
+    threshold = 0.5 if d["enable_confidence_head"] else 0.0
+    for seed in range(3):
+        ours = dspark_draft(drafter, feats[:6], 12, temperature=0.8, confidence_threshold=threshold,
+                            generator=torch.Generator().manual_seed(seed))
+        ref = reference_block(drafter, d, tensors, feats[:6], 12, temperature=0.8, threshold=threshold,
+                              generator=torch.Generator().manual_seed(seed))
+        _compare(ours, ref, temperature=0.8)
+
+
+def test_the_markov_head_changes_the_drafts(tmp_path):
+    # the same weights without the head: the corrected logits are not the LM head's alone
+    path, _, _ = checkpoint(tmp_path, "vanilla")
+    drafter = DFlashDrafter.from_pretrained(path).eval()
+    feats = context_features()
+    draft = dspark_draft(drafter, feats[:5], 3)
+    assert not torch.allclose(draft.logits, drafter.lm_head(draft.hidden), atol=1e-3)
+
+
+def test_drafting_arguments_are_checked(tmp_path):
+    path, _, _ = checkpoint(tmp_path, "vanilla")
+    drafter = DFlashDrafter.from_pretrained(path)
+    feats = context_features()[:4]
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        dspark_draft(drafter, feats, 1, confidence_threshold=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        dspark_draft(drafter, feats, 1, temperature=-1.0)
+
+
+def test_a_dflash_drafter_is_not_drafted_as_dspark():
+    from python_tests.model.plain_reference import config_json, random_drafter
+
+    with pytest.raises(ValueError, match="DeepSpec"):
+        dspark_draft(random_drafter(config_json()), torch.zeros(2, 128), 1)
+
