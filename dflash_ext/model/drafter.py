@@ -10,7 +10,9 @@ parameters and keeps no state here. Its parts: the layers (:mod:`.layers`), the 
 
 DeepSpec's format (``config.is_deepspec``: DSpark, or DeepSpec's DFlash) adds its own
 ``embed_tokens`` and ``lm_head``, and DSpark's Markov and confidence heads (:mod:`.dspark`,
-which also drafts its block). DFlash2 (``config.is_dflash2``) adds to each layer a block convolution on both sides of its
+which also drafts its block).
+
+DFlash2 (``config.is_dflash2``) adds to each layer a block convolution on both sides of its
 attention and its MLP (:class:`~.layers.BlockConv`) and, after the LM head, a candidate
 selector that re-ranks each slot's top-K tokens along a path from the anchor
 (:class:`~.layers.CandidateSelector`); :meth:`DFlashDrafter.dflash2_from` starts one from a v1

@@ -54,6 +54,32 @@ def test_a_transformers_5_config_keeps_its_dtype_key(tmp_path):
     assert json.load(open(tmp_path / "saved" / "config.json")) == d
 
 
+def test_a_config_as_transformers_saves_deepspecs_draft_config_loads_and_round_trips(tmp_path):
+    # DeepSpec builds its draft config as the target's config object with the drafter fields set
+    # on it and saves it with save_pretrained: here with the installed transformers
+    from transformers import Qwen3Config
+
+    from python_tests.model.dspark_reference import D, H, HKV, HQ, INTERMEDIATE, LAYER_IDS, MASK, RANK, V
+
+    c = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=INTERMEDIATE, num_hidden_layers=6,
+                    num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=512,
+                    rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    for key, value in dict(architectures=["Qwen3DSparkModel"], num_target_layers=6, num_hidden_layers=2,
+                           block_size=BLOCK, layer_types=["full_attention"] * 2, mask_token_id=MASK,
+                           target_layer_ids=LAYER_IDS, num_anchors=512, markov_rank=RANK, markov_head_type="rnn",
+                           enable_confidence_head=True, confidence_head_with_markov=True).items():
+        setattr(c, key, value)
+    path = str(tmp_path / "hf")
+    c.save_pretrained(path)
+    d = json.load(open(os.path.join(path, "config.json")))
+    write_deepspec_checkpoint(path, d, random_tensors(d))
+    drafter = DFlashDrafter.from_pretrained(path)
+    assert (drafter.config.markov_head_type, drafter.config.block_size, drafter.config.rope_theta) == ("rnn", 7, 1e6)
+    drafter.save_pretrained(str(tmp_path / "saved"))
+    saved = json.load(open(tmp_path / "saved" / "config.json"))
+    assert saved == d  # no dtype key added where the file had none
+
+
 def test_a_missing_head_tensor_is_named(tmp_path):
     path, d, tensors = checkpoint(tmp_path, "rnn")
     del tensors["markov_head.joint_proj.bias"]
