@@ -31,11 +31,13 @@ ORDER = [
     "prompts",           # prompt sets (training sources, evaluation sets)
     "model",
     "model.config_fields",  # the config-field rules: what each config.json key does, types and ranges, rejections
+    "model.deepspec_config",  # DeepSpec's config.json (DSpark): its fields read and written back
     "model.config",      # DFlashConfig: the checks across fields, derived per-layer properties, for_target
     "model.atomic_files",  # files and folders written whole or not at all
     "model.checkpoint",  # checkpoint files: resolve, read, write
     "model.layers",      # RMSNorm, Attention, MLP, DecoderLayer, BlockConv, CandidateSelector, rope_tables
     "model.masks",       # context_mask, block_mask, windowed_bidirectional_attention
+    "model.dspark",      # DSpark's Markov and confidence heads, its block drafted in plain PyTorch
     "model.drafter",     # DFlashDrafter: weights, load, save, draft vocabulary, the training forward
     "model.pretrained",  # the embedded default target, the shipped drafter's path
     "sampling",          # Sampling (the value a generation samples by), the logit processing, the sampled draft

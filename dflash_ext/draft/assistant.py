@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from .runtime import DraftRuntime
+from .runtime import DraftRuntime, refuse_deepspec
 
 __all__ = ["DFlashAssistant", "SUPPORTED_TRANSFORMERS"]
 
@@ -80,6 +80,7 @@ class DFlashAssistant:
     def __init__(self, drafter, target=None, fused: bool = True, draft_window: Optional[int] = None):
         if target is not None:
             drafter.check_fits(target.config)
+        refuse_deepspec(drafter, "DFlashAssistant")
         if drafter.config.is_dflash2:
             raise NotImplementedError("DFlashAssistant does not support DFlash2 drafters (DFlash2DraftModel): "
                                       "transformers' DFlash generate drafts the LM head's argmax over the returned "

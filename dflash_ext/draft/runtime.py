@@ -19,6 +19,16 @@ from .layers import fused_layer, stacked_kv_weights, stacked_layer_weights
 __all__ = ["DraftRuntime"]
 
 
+def refuse_deepspec(drafter, where: str) -> None:
+    """NotImplementedError for a drafter in DeepSpec's format (DSpark): its block layout (every
+    slot drafts), own embedding and LM head, Markov walk and confidence cut are not in the
+    fused draft step yet."""
+    if drafter.config.is_deepspec:
+        raise NotImplementedError(
+            f"{where} does not draft with DSpark / DeepSpec-format drafters ({drafter.config.deepspec_architecture}) "
+            "yet; dflash_ext.model.dspark.dspark_draft drafts one block of them in plain PyTorch")
+
+
 class DraftRuntime:
     """One generation's drafting with `drafter` over `batch_size` sequences:
 
@@ -45,6 +55,7 @@ class DraftRuntime:
     def __init__(self, drafter, capacity: int, *, batch_size: int = 1, max_capacity: Optional[int] = None,
                  draft_window: Optional[int] = None, fused: bool = True, validate: bool = True, embed=None,
                  lm_head=None, cuda_graph: bool = False):
+        refuse_deepspec(drafter, "the draft runtime (spec_generate, DFlashProposer)")
         p = drafter.fc.weight
         if cuda_graph and not (p.device.type == "cuda" and fused):
             raise ValueError("cuda_graph=True needs a drafter on a CUDA device and fused=True")

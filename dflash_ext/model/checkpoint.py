@@ -244,7 +244,10 @@ def write_checkpoint(path: str, config: DFlashConfig, state: Dict[str, torch.Ten
         DFlashConfig.from_json_dict(json.loads(json.dumps(d)), source=os.path.join(path, CONFIG_NAME))
     except ValueError as e:
         raise ValueError(f"refusing to save the drafter checkpoint {path}: its config would not load: {e}") from e
-    d["torch_dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
+    # metadata, in the key(s) the config has: a DeepSpec config written by transformers 5.x names it
+    # "dtype" or, saved from a config alone, has none (written back as it was read)
+    for key in [k for k in ("torch_dtype", "dtype") if k in d] or ([] if config.deepspec_json else ["torch_dtype"]):
+        d[key] = str(state["fc.weight"].dtype).replace("torch.", "")
     files: Dict[str, Union[bytes, Callable[[str], None]]] = {
         CONFIG_NAME: json.dumps(d, indent=2).encode(),
         WEIGHTS_NAME: lambda p: save_file(state, p, metadata={"format": "pt"}),

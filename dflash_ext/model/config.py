@@ -8,12 +8,14 @@ DFlash2 checkpoints (``architectures: ["DFlash2DraftModel"]``) add the block con
 candidate selector fields (:data:`DFLASH2_FIELDS`); docs/checkpoints.md, "DFlash2".
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import List, Optional, Sequence
 
 from .config_fields import (DFLASH2_ARCHITECTURE, DFLASH2_FIELDS, LAYER_TYPES, SUPPORTED_ROPE_TYPES,
-                            DFLASH2_LOGIT_FIELDS, DFLASH2_RULES, FIELD_RULES, QWEN3_KEYS, check_field,
-                            check_json_fields, explicit_causal, reject_unsupported)
+                            DFLASH2_LOGIT_FIELDS, DFLASH2_RULES, FIELD_RULES, check_field, check_json_fields,
+                            explicit_causal, qwen3_config, qwen3_fields, reject_unsupported)
+from .deepspec_config import (DEEPSPEC_ARCHITECTURES, check_deepspec_config, deepspec_config_fields,
+                              deepspec_json_dict)
 
 __all__ = ["DFlashConfig", "default_target_layer_ids", "default_mask_token_id", "target_text_config",
            "SUPPORTED_ROPE_TYPES", "DFLASH2_ARCHITECTURE", "DFLASH2_FIELDS"]
@@ -40,15 +42,6 @@ try:  # what transformers 5.x's strict config dataclasses raise on a wrongly typ
     from huggingface_hub.errors import StrictDataclassError as _TransformersConfigError
 except ImportError:
     _TransformersConfigError = ValueError
-
-
-def _qwen3_config(**fields):
-    """transformers' Qwen3Config: it standardises rope (rope_parameters in 5.x, rope_scaling
-    / rope_theta in 4.x), layer_types and the sliding window exactly as the authors'
-    Qwen3-based DFlashDraftModel sees them, defaults included."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(**fields)
 
 
 @dataclass
@@ -84,6 +77,19 @@ class DFlashConfig:
     # then cap * tanh(u / cap) when a cap is set. A v1 drafter keeps 1 and None.
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    # DeepSpec's format (Qwen3DSparkModel; .deepspec_config): its own embedding and LM head, and
+    # every block slot drafts (slot k the token at anchor + k + 1). DSpark's heads: a Markov
+    # head over the previous token (markov_rank > 0, of markov_head_type) and a confidence
+    # head, its input [h_k; W1[previous]] with confidence_head_with_markov, else h_k. None and
+    # their defaults: the reference format.
+    deepspec_architecture: Optional[str] = None
+    num_anchors: Optional[int] = None  # DeepSpec's training setting, kept for the save
+    markov_rank: int = 0
+    markov_head_type: Optional[str] = None
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    # the DeepSpec config.json this config was read from: a save writes its keys back
+    deepspec_json: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         for f in fields(self):  # each value's type and range (FIELD_RULES); None where it is the default
@@ -108,6 +114,7 @@ class DFlashConfig:
             raise ValueError(f"dflash_config.draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
         self._check_dflash2()
+        check_deepspec_config(self)
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] \
                 * self.num_hidden_layers
@@ -149,6 +156,11 @@ class DFlashConfig:
             raise ValueError(f"dflash_config.selector_top_k={self.selector_top_k} must be <= {which}={candidates}")
 
     @property
+    def is_deepspec(self) -> bool:
+        """A drafter in DeepSpec's format (DSpark, or DeepSpec's DFlash without the heads)."""
+        return self.deepspec_architecture is not None
+
+    @property
     def is_dflash2(self) -> bool:
         """A DFlash2 drafter (block convolution and candidate selector)."""
         return self.conv_kernel_size is not None
@@ -159,7 +171,7 @@ class DFlashConfig:
         return self.hidden_size // self.conv_group_size
 
     def hf_config(self):
-        return _qwen3_config(
+        return qwen3_config(
             hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
@@ -209,7 +221,8 @@ class DFlashConfig:
         return None
 
     def to_json_dict(self) -> dict:
-        """The reference format: a Qwen3 config plus the DFlash fields."""
+        """The reference format: a Qwen3 config plus the DFlash fields (DeepSpec's format for
+        a DeepSpec drafter: :func:`.deepspec_config.deepspec_json_dict`)."""
         rope = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
         sliding = "sliding_attention" in self.layer_types and self.sliding_window is not None
         # Sliding layers without a window are still causal (layer_causal): their types are saved too.
@@ -249,7 +262,7 @@ class DFlashConfig:
                                       output_multiplier=self.output_multiplier)
             if self.final_logit_softcapping is not None:
                 d["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
-        return d
+        return deepspec_json_dict(self, d) if self.is_deepspec else d
 
     @classmethod
     def from_json_dict(cls, d: dict, source: str = "config.json") -> "DFlashConfig":
@@ -269,6 +282,9 @@ class DFlashConfig:
 
         if type(d) is not dict:
             raise ValueError(f"must hold a JSON object, got {type(d).__name__}")
+        if type(d.get("architectures")) is list and d["architectures"][:1] \
+                and d["architectures"][0] in DEEPSPEC_ARCHITECTURES:
+            return cls(**deepspec_config_fields(d))
         dflash = need(d, "dflash_config")
         if type(dflash) is not dict:
             raise ValueError(f"dflash_config must be a JSON object, got {dflash!r}")
@@ -289,23 +305,13 @@ class DFlashConfig:
                     v2[key] = _in_either_place(d, dflash, key)
             if v2.get("output_multiplier") is None:
                 v2["output_multiplier"] = 1.0
-        qwen3 = {k: d[k] for k in QWEN3_KEYS if k in d}
-        if "rms_norm_eps" in qwen3:
-            qwen3["rms_norm_eps"] = float(qwen3["rms_norm_eps"])  # transformers' field takes a float only
-        hf = _qwen3_config(**qwen3)
+        qwen3, hf = qwen3_fields(d)
         return cls(
-            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"], num_key_value_heads=hf.num_key_value_heads,
-            head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
-            intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-            num_target_layers=d["num_target_layers"],
-            target_layer_ids=list(dflash.get("target_layer_ids") or []),
+            **qwen3, target_layer_ids=list(dflash.get("target_layer_ids") or []),
             mask_token_id=dflash["mask_token_id"],
             block_size=_in_either_place(d, dflash, "block_size") if "block_size" in dflash or "block_size" in d
             else 16,
             draft_vocab_size=dflash.get("draft_vocab_size"),
-            rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
-            max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
             layer_types=list(hf.layer_types), causal=explicit_causal(d, dflash), **v2,
         )

@@ -42,8 +42,40 @@ DFLASH2_LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
 # found wins: top-level is_causal (the authors' model.py, SGLang, vLLM), dflash_config.is_causal
 # (some checkpoints; vLLM ports), dflash_config.causal (vLLM `_dflash_layer_causal`).
 _CAUSAL_FIELDS = (("is_causal", False), ("is_causal", True), ("causal", True))  # (key, inside dflash_config)
+# DeepSpec's format (deepseek-ai/DeepSpec, deepspec/modeling/dspark/): the target's config with
+# these keys at the top level (no dflash_config), one architecture name per target family. Its
+# DFlash drafters are the same model without the two heads (markov_rank 0, no confidence head).
+DEEPSPEC_QWEN3 = "Qwen3DSparkModel"
+DEEPSPEC_GEMMA4 = "Gemma4DSparkModel"
+DEEPSPEC_KEYS = ("block_size", "num_target_layers", "target_layer_ids", "mask_token_id", "num_anchors",
+                 "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def qwen3_config(**fields):
+    """transformers' Qwen3Config: it standardises rope (rope_parameters in 5.x, rope_scaling
+    / rope_theta in 4.x), layer_types and the sliding window exactly as the authors'
+    Qwen3-based DFlashDraftModel (and DeepSpec's Qwen3DSparkModel) see them, defaults included."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**fields)
+
+
+def qwen3_fields(d: dict):
+    """(the DFlashConfig fields a config.json `d` gives as a Qwen3 config: shapes, norm, rope,
+    positions; transformers' Qwen3Config of it, for its standardised layer types and window)."""
+    qwen3 = {k: d[k] for k in QWEN3_KEYS if k in d}
+    if "rms_norm_eps" in qwen3:
+        qwen3["rms_norm_eps"] = float(qwen3["rms_norm_eps"])  # transformers' field takes a float only
+    hf = qwen3_config(**qwen3)
+    return dict(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=d["num_attention_heads"], num_key_value_heads=hf.num_key_value_heads,
+                head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
+                intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+                num_target_layers=d["num_target_layers"], rms_norm_eps=hf.rms_norm_eps,
+                rope_parameters=dict(hf.rope_parameters), max_position_embeddings=hf.max_position_embeddings), hf
 
 
 class _Rule(NamedTuple):
@@ -89,6 +121,18 @@ DFLASH2_RULES = {
 }
 
 
+# DeepSpec's own fields (the DFlash ones share FIELD_RULES); checked in a DeepSpec config only.
+# num_anchors is a training setting (anchors per sequence), kept for the save.
+DEEPSPEC_RULES = {
+    "num_anchors": _POSITIVE_INT,
+    "markov_rank": _Rule(_INT, lambda v: v >= 0, "an int >= 0 (0: no Markov head)"),
+    "markov_head_type": _Rule((str, type(None)), lambda v: v is None or v in MARKOV_HEAD_TYPES,
+                              f"one of {', '.join(MARKOV_HEAD_TYPES)}"),
+    **{k: _Rule((bool,), lambda v: True, "true or false") for k in ("enable_confidence_head",
+                                                                    "confidence_head_with_markov")},
+}
+
+
 def check_field(label: str, value, rule: "_Rule") -> None:
     """Raise naming `label` when `value` breaks `rule`."""
     if type(value) not in rule.types or not rule.ok(value):
@@ -104,14 +148,15 @@ def check_json_fields(d: dict, dflash: dict, rules: dict = FIELD_RULES) -> None:
                 check_field(prefix + key, value, rules[key])
 
 
-def reject_unsupported(d: dict, dflash: dict, dflash2: bool = False) -> None:
+def reject_unsupported(d: dict, dflash: dict, dflash2: bool = False, format_keys=_DFLASH_KEYS) -> None:
     """A config field that changes the drafted function and is not implemented here is an
     error at load, never silently ignored. `dflash2`: a DFlash2 config, which also has
-    DFLASH2_FIELDS and free logit transform fields (DFLASH2_RULES checks them)."""
+    DFLASH2_FIELDS and free logit transform fields (DFLASH2_RULES checks them). `format_keys`:
+    the top-level keys of the format beside the Qwen3 ones (DeepSpec's: DEEPSPEC_KEYS)."""
     problems = []
     fixed = {k: v for k, v in _FIXED_VALUES.items() if not (dflash2 and k in DFLASH2_LOGIT_FIELDS)}
     v2_keys = set(DFLASH2_FIELDS) if dflash2 else set()
-    known = set(QWEN3_KEYS) | set(_DFLASH_KEYS) | _INERT_KEYS | set(_FIXED_VALUES) | v2_keys
+    known = set(QWEN3_KEYS) | set(format_keys) | _INERT_KEYS | set(_FIXED_VALUES) | v2_keys
     unknown = sorted(k for k in d if k not in known)
     if unknown:
         problems.append(f"unsupported fields {unknown}")

@@ -8,6 +8,10 @@ at inference is :class:`~dflash_ext.draft.runtime.DraftRuntime`'s, which reads t
 parameters and keeps no state here. Its parts: the layers (:mod:`.layers`), the masks
 (:mod:`.masks`), the config (:mod:`.config`), the checkpoint files (:mod:`.checkpoint`).
 
+DeepSpec's format (``config.is_deepspec``: DSpark, or DeepSpec's DFlash) adds its own
+``embed_tokens`` and ``lm_head``, and DSpark's Markov and confidence heads (:mod:`.dspark`,
+which also drafts its block).
+
 DFlash2 (``config.is_dflash2``) adds to each layer a block convolution on both sides of its
 attention and its MLP (:class:`~.layers.BlockConv`) and, after the LM head, a candidate
 selector that re-ranks each slot's top-K tokens along a path from the anchor
@@ -24,6 +28,7 @@ import torch.nn as nn
 from ..ops import reference
 from .checkpoint import DRAFT_VOCAB_NAME, read_checkpoint, torch_dtype, write_checkpoint
 from .config import DFlashConfig, target_text_config
+from .dspark import ConfidenceHead, MarkovHead
 from .layers import CandidateSelector, DecoderLayer, RMSNorm, init_weights, rope_tables
 from .masks import block_mask, context_mask
 
@@ -47,6 +52,13 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.is_dflash2:
             self.candidate_selector = CandidateSelector(c)
+        if c.is_deepspec:  # DeepSpec's drafters hold their own embedding and LM head, and DSpark's heads
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            if c.markov_rank > 0:
+                self.markov_head = MarkovHead(c)
+            if c.enable_confidence_head:
+                self.confidence_head = ConfidenceHead(c)
         self.acceptance_profile: Optional[List[float]] = None
         self.walked_tau: Optional[List[float]] = None
         self.draft_vocab: Optional[torch.Tensor] = None  # sorted token ids (int64, CPU): checkpoint.DRAFT_VOCAB_NAME
