@@ -384,7 +384,7 @@ def main(argv=None):
 
     def run_config(temperature, rule, json_path, png_path):
         """One sampling configuration over every prompt: (exit status, its summary row)."""
-        sampling = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
+        loop_args = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops)
         greedy = temperature <= 0
         exact = dtype == torch.float32  # where greedy outputs must be identical
         print(f"e2e: target {target_name}; drafter {drafter_name}; block size {B}"
@@ -399,12 +399,12 @@ def main(argv=None):
             the order of the baseline and DFlash alternates with k."""
             def base(stream_linears=False):
                 g = torch.Generator().manual_seed(args.seed + k)
-                return target_generate(model, ids, max_new, generator=g, stream_linears=stream_linears, **sampling)
+                return target_generate(model, ids, max_new, generator=g, stream_linears=stream_linears, **loop_args)
 
             def spec():
                 g = torch.Generator().manual_seed(args.seed + k)
                 return spec_generate(model, drafter, ids, max_new, block_size=B, generator=g, fused=fused,
-                                     stream_linears=not args.library_gemm, verify=rule, **sampling)
+                                     stream_linears=not args.library_gemm, verify=rule, **loop_args)
             if k % 2 == 0:
                 b = base()
                 s = spec() if "ours" in args.loops else None
