@@ -303,7 +303,8 @@ class DFlashConfig:
             mask_token_id=dflash["mask_token_id"],
             block_size=_in_either_place(d, dflash, "block_size") if "block_size" in dflash or "block_size" in d
             else 16,
-            draft_vocab_size=dflash.get("draft_vocab_size"),
+            draft_vocab_size=_in_either_place(d, dflash, "draft_vocab_size")
+            if "draft_vocab_size" in dflash or "draft_vocab_size" in d else None,
             rms_norm_eps=hf.rms_norm_eps, rope_parameters=dict(hf.rope_parameters),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
