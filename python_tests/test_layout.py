@@ -38,6 +38,7 @@ ORDER = [
     "model.masks",       # context_mask, block_mask, windowed_bidirectional_attention
     "model.drafter",     # DFlashDrafter: weights, load, save, draft vocabulary, the training forward
     "model.pretrained",  # the embedded default target, the shipped drafter's path
+    "model.vllm_format",  # the drafter as vLLM's DFlash loader reads it whole (export --for vllm)
     "draft",
     "draft.cache",       # DraftCache (the context cache), effective_windows
     "draft.layers",      # the fused decoder layer, the stacked weights it reads
