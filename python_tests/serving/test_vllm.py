@@ -97,7 +97,7 @@ def test_vllm_drafts_over_our_draft_vocabulary(served, reference):
     assert config["draft_vocab_size"] == config["dflash_config"]["draft_vocab_size"] == len(vocab) < config["vocab_size"]
     # vLLM's drafter holds a head of our K rows (not the target's, which it would share without
     # one), mapped to our tokens, and those rows are the target's head rows of the tokens
-    assert served["head_shape"] == (len(vocab), config["hidden_size"])
+    assert tuple(served["head_shape"]) == (len(vocab), config["hidden_size"])  # msgpack returns a list
     assert served["head_rows"] == vocab.tolist()
     rows = reference["target"].get_output_embeddings().weight.detach()[vocab]
     assert served["head_sum"] == pytest.approx(float(rows.double().sum()), rel=1e-12, abs=1e-9)
