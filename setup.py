@@ -319,6 +319,24 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "describe-cm
     write_cmake_description(sys.argv[2])
     sys.exit(0)
 
+# What the package imports besides torch (pyproject.toml lists "dependencies" as dynamic: they are
+# here, beside the torch requirement that only the build knows). transformers: the range of
+# dflash_ext.draft.assistant.SUPPORTED_TRANSFORMERS (python_tests/test_packaging.py checks).
+RUNTIME_DEPENDENCIES = ["transformers>=5.24,<6", "safetensors", "huggingface_hub"]
+
+
+def torch_requirement() -> str:
+    """The wheel's torch requirement: the minor version of the torch it is compiled against
+    (the extension loads only with it). pyproject's build requirement gives 2.14 to an
+    isolated build; pip install --no-build-isolation builds against the environment's torch
+    (vLLM's 2.13 in tools/vllm/setup_and_check.sh) and then requires that one."""
+    import torch
+
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
 if __name__ == "__main__":
-    # The project's metadata (name, version, dependencies, package data) is in pyproject.toml.
-    setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext_class()})
+    # The rest of the project's metadata (name, version, extras, package data) is in pyproject.toml.
+    setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext_class()},
+          install_requires=[torch_requirement(), *RUNTIME_DEPENDENCIES])

@@ -20,8 +20,8 @@ import warnings
 
 import dflash_ext
 
-LAYERS = ["ops", "testing", "prompts", "model", "sampling", "draft", "decode", "diagnostics", "training", "cli", "_deprecated",
-          "__main__"]
+LAYERS = ["ops", "testing", "prompts", "model", "sampling", "draft", "decode", "diagnostics", "serving", "training",
+          "cli", "_deprecated", "__main__"]
 ORDER = [
     "ops.hardware",      # CPU features, the extension's loading, ISA level, dtype choice
     "ops",               # the op API: each op's wrapper and fake kernel
@@ -40,6 +40,7 @@ ORDER = [
     "model.dspark",      # DSpark's Markov and confidence heads, its block drafted in plain PyTorch
     "model.drafter",     # DFlashDrafter: weights, load, save, draft vocabulary, the training forward
     "model.pretrained",  # the embedded default target, the shipped drafter's path
+    "model.vllm_format",  # the drafter as vLLM's DFlash loader reads it whole (export --for vllm)
     "sampling",          # Sampling (the value a generation samples by), the logit processing, the sampled draft
     "draft",
     "draft.cache",       # DraftCache (the context cache), effective_windows
@@ -59,6 +60,8 @@ ORDER = [
     "decode.batch",      # batch_generate: many prompts, ragged acceptance, the RaggedCache
     "decode.loop",       # spec_generate, target_generate
     "diagnostics",       # dflash_ext.info(): what was built and what runs here
+    "serving", "serving.vllm_plugin",  # vLLM's plugin entry point (imports nothing of vLLM)
+    "serving.vllm_model",  # vLLM's DFlash drafter on our fused ops (imported by vLLM only)
     "training", "training.recipe", "training.data",
     "training.train_config",  # TrainConfig and the resume rules of --out
     "training.loss",     # sequence_loss and its parts

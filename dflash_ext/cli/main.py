@@ -160,6 +160,13 @@ def main(argv=None):
                         "(0: remove it); default: keep the source's")
     e.add_argument("--data", type=existing_dir, default=None, help="training data folder of --draft-vocab (gen-data output)")
     e.add_argument("--holdout", type=nonnegative_int, default=64, help="highest-id records of --data left out of the count")
+    e.add_argument("--for", dest="engine", choices=["reference", "vllm"], default="reference",
+                   help="reference (default): the reference format with our draft vocabulary; vllm: also vLLM's form "
+                        "of the draft vocabulary (top-level draft_vocab_size, d2t, lm_head.weight: the target's LM "
+                        "head rows), so that vLLM drafts over it (docs/serving.md)")
+    e.add_argument("--target", type=target_name, default=None,
+                   help="with --for vllm: the Hugging Face target whose LM head rows are written (default: the "
+                        "embedded SmolLM2)")
     i = sub.add_parser("info", help="versions, CUDA architectures built and usable, CPU ISA and op paths, the "
                                     "default target and drafter: what a bug report needs")
     i.add_argument("--json", action="store_true", help="the report as JSON")

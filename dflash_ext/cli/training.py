@@ -217,6 +217,8 @@ def cmd_export(args):
         raise UsageError(f"argument --dst: {args.dst} exists and is not empty; --overwrite replaces its checkpoint")
     if args.data is not None and not args.draft_vocab:
         raise UsageError("argument --data: only --draft-vocab K > 0 reads it")
+    if args.target is not None and args.engine != "vllm":
+        raise UsageError("argument --target: only --for vllm reads it (the LM head rows of the draft vocabulary)")
     if args.draft_vocab:
         if args.data is None:
             raise UsageError("argument --draft-vocab: K > 0 needs --data (the training data folder whose "
@@ -241,5 +243,26 @@ def cmd_export(args):
         drafter.set_draft_vocab(ids)
         print(f"[dflash_ext] draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f} % of the response "
               f"tokens of {len(records)} records", file=sys.stderr)
-    drafter.save_pretrained(args.dst, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
-    print(f"[dflash_ext] wrote {args.dst} ({args.dtype})", file=sys.stderr)
+    if args.engine == "vllm":
+        _save_for_vllm(drafter, args)
+    else:
+        drafter.save_pretrained(args.dst, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
+    print(f"[dflash_ext] wrote {args.dst} ({args.dtype}{', for vLLM' if args.engine == 'vllm' else ''})",
+          file=sys.stderr)
+
+
+def _save_for_vllm(drafter, args) -> None:
+    """export --for vllm: the drafter plus vLLM's form of its draft vocabulary, whose LM head
+    rows come from --target (loaded in its own dtype: the rows are written as it stores them)."""
+    from ..model.pretrained import load_target
+    from ..model.vllm_format import save_for_vllm
+
+    head = None
+    if drafter.draft_vocab is not None:
+        target, _ = load_target(args.target, dtype="auto", tokenizer=False)
+        try:
+            drafter.check_fits(target.config)
+        except ValueError as e:
+            raise UsageError(f"argument --target: {e}") from None
+        head = target.get_output_embeddings().weight
+    save_for_vllm(drafter, args.dst, head, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)

@@ -23,7 +23,7 @@ from .config import DFlashConfig
 
 __all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint", "check_weights", "torch_dtype", "WEIGHTS_NAME",
            "CONFIG_NAME", "ACCEPTANCE_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_INDEX_NAME", "acceptance_json",
-           "write_acceptance"]
+           "write_acceptance", "VLLM_D2T_NAME", "VLLM_LM_HEAD_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 # Hugging Face's sharded form, read when there is no WEIGHTS_NAME: {"weight_map": {tensor: shard file}}
@@ -39,6 +39,13 @@ ACCEPTANCE_NAME = "acceptance.json"
 # {"token_ids": [K sorted target token ids]} and drafts are the argmax over those rows of
 # the target's LM head only (K/V of its cost). Verification is unchanged, so output is too.
 DRAFT_VOCAB_NAME = "draft_vocab.json"
+# The same vocabulary as vLLM's DFlash loader reads it (EAGLE-3's fields; written by
+# export --for vllm, model/vllm_format.py): the top-level draft_vocab_size K, a tensor
+# "d2t" [K] int64 (draft row i is target token i + d2t[i]) and "lm_head.weight" [K, H]
+# (the target's LM head rows of those tokens). Checked against draft_vocab.json at load and
+# kept out of the drafter's weights: our loop drafts with the target's own head.
+VLLM_D2T_NAME = "d2t"
+VLLM_LM_HEAD_NAME = "lm_head.weight"
 
 
 @dataclass
@@ -86,7 +93,35 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
         ckpt.draft_vocab = ids
     elif os.path.exists(vocab_path):
         raise ValueError(f"{vocab_path} exists but {cfg_path} has no dflash_config.draft_vocab_size")
+    _take_vllm_vocabulary(ckpt, "draft_vocab_size" in _read_json(cfg_path))
     return ckpt
+
+
+def _take_vllm_vocabulary(ckpt: Checkpoint, top_level_size: bool) -> None:
+    """Check vLLM's form of the draft vocabulary (:data:`VLLM_D2T_NAME`) against
+    draft_vocab.json and take its tensors out of ``ckpt.state``. `top_level_size`: config.json
+    has the top-level draft_vocab_size, which vLLM reads as the rows of the drafter's own LM
+    head, so it needs both tensors (without them vLLM would draft over the target's full head
+    with a K-row offset table)."""
+    d2t, head = ckpt.state.pop(VLLM_D2T_NAME, None), ckpt.state.pop(VLLM_LM_HEAD_NAME, None)
+    where = f"drafter checkpoint {ckpt.path}"
+    if d2t is None and head is None and not top_level_size:
+        return
+    if d2t is None or head is None or not top_level_size or ckpt.draft_vocab is None:
+        raise ValueError(f"{where}: vLLM's draft vocabulary needs all of the top-level draft_vocab_size "
+                         f"(present: {top_level_size}), the tensors {VLLM_D2T_NAME} (present: {d2t is not None}) "
+                         f"and {VLLM_LM_HEAD_NAME} (present: {head is not None}), and {DRAFT_VOCAB_NAME} "
+                         f"(present: {ckpt.draft_vocab is not None})")
+    K, H = len(ckpt.draft_vocab), ckpt.config.hidden_size
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (K,):
+        raise ValueError(f"{where}: tensor {VLLM_D2T_NAME} must be int64 of shape ({K},), got "
+                         f"{str(d2t.dtype).replace('torch.', '')} {tuple(d2t.shape)}")
+    if (torch.arange(K) + d2t).tolist() != ckpt.draft_vocab:
+        raise ValueError(f"{where}: tensor {VLLM_D2T_NAME} maps the draft rows to other tokens than "
+                         f"{DRAFT_VOCAB_NAME} lists (row i must be token i + {VLLM_D2T_NAME}[i])")
+    if tuple(head.shape) != (K, H):
+        raise ValueError(f"{where}: tensor {VLLM_LM_HEAD_NAME} has shape {tuple(head.shape)}, the draft "
+                         f"vocabulary needs ({K}, {H})")
 
 
 def _read_config(path: str) -> DFlashConfig:
@@ -194,7 +229,8 @@ def _read_weights(path: str) -> Dict[str, torch.Tensor]:
                 raise ValueError(f"drafter checkpoint {file} does not hold the tensors {WEIGHTS_INDEX_NAME} "
                                  f"maps to it: missing {sorted(mapped - set(tensors))[:8]}, "
                                  f"not in the index {sorted(set(tensors) - mapped)[:8]}")
-        check_weights(tensors, f"drafter checkpoint {file}")
+        # d2t is vLLM's int64 offset table (_take_vllm_vocabulary checks it), not a weight
+        check_weights({n: t for n, t in tensors.items() if n != VLLM_D2T_NAME}, f"drafter checkpoint {file}")
         state.update(tensors)
     return state
 

@@ -311,7 +311,8 @@ class DFlashConfig:
             mask_token_id=dflash["mask_token_id"],
             block_size=_in_either_place(d, dflash, "block_size") if "block_size" in dflash or "block_size" in d
             else 16,
-            draft_vocab_size=dflash.get("draft_vocab_size"),
+            draft_vocab_size=_in_either_place(d, dflash, "draft_vocab_size")
+            if "draft_vocab_size" in dflash or "draft_vocab_size" in d else None,
             sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
             layer_types=list(hf.layer_types), causal=explicit_causal(d, dflash), **v2,
         )

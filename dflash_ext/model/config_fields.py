@@ -13,7 +13,9 @@ QWEN3_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
                "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
                "rope_scaling", "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers",
                "layer_types")
-_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config", "is_causal")
+# draft_vocab_size at the top level: vLLM's (EAGLE-3's) field, written by export --for vllm beside
+# dflash_config's (model/vllm_format.py); both given, they must agree.
+_DFLASH_KEYS = ("block_size", "num_target_layers", "dflash_config", "is_causal", "draft_vocab_size")
 # Metadata, training-only settings, and parts the drafter does not have (embedding, LM head).
 _INERT_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "initializer_range",
                "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",

@@ -138,8 +138,8 @@ def load_extension():
     except ImportError as e:  # most often a torch other than the one the extension was built with
         raise ImportError(f"dflash_ext {__version__}: its compiled extension failed to load with torch "
                           f"{torch.__version__} ({e}). It loads only with the torch minor version it was built "
-                          "against (pyproject.toml: torch>=2.14,<2.15): install that torch, or rebuild "
-                          "(pip install --no-build-isolation .)") from e
+                          "against (the package's torch requirement, e.g. pip show dflash_ext): install that "
+                          "torch, or rebuild against this one (pip install --no-build-isolation .)") from e
     _C._cpu_isa()
     return _C
 
