@@ -93,7 +93,8 @@ def read_checkpoint(path: str, cache_dir: Optional[str] = None, local_files_only
         ckpt.draft_vocab = ids
     elif os.path.exists(vocab_path):
         raise ValueError(f"{vocab_path} exists but {cfg_path} has no dflash_config.draft_vocab_size")
-    _take_vllm_vocabulary(ckpt, "draft_vocab_size" in _read_json(cfg_path))
+    if not config.is_deepspec:  # DeepSpec's format has its own full LM head, not vLLM's K-row one
+        _take_vllm_vocabulary(ckpt, "draft_vocab_size" in _read_json(cfg_path))
     return ckpt
 
 
