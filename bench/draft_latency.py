@@ -31,7 +31,7 @@ from bench._common import DTYPES, OUT_DIR, MismatchError, format_table
 
 from dflash_ext import DFlashConfig, DFlashDrafter, ops, reference
 from dflash_ext.draft.graphs import capture_cuda_graph
-from dflash_ext.draft.head import draft_tokens
+from dflash_ext.draft.head import greedy_draft
 from dflash_ext.draft.layers import stacked_kv_weights
 from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext.model.config import default_target_layer_ids
@@ -164,7 +164,7 @@ class Setup:
 
     def lm_head(self, hidden):
         selector = getattr(self.d, "candidate_selector", None)  # DFlash2: its path over the top-K
-        return draft_tokens(hidden, self.lm_w, selector=selector, anchor=self.ids[:, 0])
+        return greedy_draft(hidden, self.lm_w, selector=selector, anchor=self.ids[:, 0])
 
     def step(self, fused, validate=True):
         self.inject(fused, validate)

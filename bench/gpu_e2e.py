@@ -140,7 +140,7 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     from dflash_ext import DFlashProposer
     from dflash_ext.decode.rollback import CacheRollback
     from dflash_ext.decode.runner import TargetRunner, static_cache
-    from dflash_ext.decode.step import DecodeState, speculative_step
+    from dflash_ext.decode.step import DecodeState, OneRow, speculative_step
     from dflash_ext.sampling import Sampling
 
     B, n, device = args.block, prompt.shape[1], prompt.device
@@ -148,7 +148,7 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     cache = static_cache(target, cache_len) if static else None
     logits, hidden, cache = runner(prompt, cache, last_logits_only=True)
     rollback = TimedRollback(CacheRollback(cache, B), device)
-    state = DecodeState(cache, rollback, int(logits[0, -1].argmax()), n)
+    state = DecodeState(OneRow(cache, rollback), [0], [int(logits[0, -1].argmax())], [n])
     proposer = DFlashProposer(drafter, target, capacity=cache_len)
     proposer.accept(hidden, slice(0, n), torch.arange(n, device=device))
     sampling = Sampling()  # greedy
@@ -159,7 +159,7 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
         def clock(phase):
             totals[phase] += timer.lap()
 
-        emitted.append(len(speculative_step(runner, proposer, state, B, sampling, clock)))
+        emitted.append(len(speculative_step(runner, proposer, state, B, sampling, clock)[0]))
         if i >= args.warmup:
             for phase, seconds in totals.items():
                 laps[phase].append(seconds)

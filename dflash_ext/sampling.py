@@ -150,7 +150,7 @@ def sample_draft(hidden: torch.Tensor, logits: torch.Tensor, vocab_size: int, sa
     candidates)."""
     temperature, top_k, top_p, generator = sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator
     if not temperature > 0:
-        raise ValueError(f"sample_draft samples at a temperature > 0, got {temperature!r} (greedy: dflash_ext.draft.head.draft_tokens)")
+        raise ValueError(f"sample_draft samples at a temperature > 0, got {temperature!r} (greedy: dflash_ext.draft.head.greedy_draft)")
     Bsz, n = logits.shape[:2]
     if selector is None:
         q = process_logits(logits, temperature, top_k, top_p).softmax(-1)  # [Bsz, n, V']

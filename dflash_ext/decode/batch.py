@@ -29,7 +29,8 @@ from ..sampling import Draft, Sampling, split_draft
 from .output import GenerationResult, PhaseClock, RowOutput, prompt_ids
 from .rollback import drop_tail
 from .runner import TargetRunner
-from .verify import check_draft, verify_rows
+from .verify import check_draft
+from .step import DecodeState, speculative_step
 
 __all__ = ["batch_generate", "prompt_rows", "per_row", "check_batchable", "RaggedCache", "RowProposers",
            "COMPACT_AT"]
@@ -134,9 +135,14 @@ class RaggedCache:
         """The 2-D mask of a pass of n new tokens per row: the cache's columns, then the block."""
         return torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], n)], 1)
 
-    def accept(self, counts: Sequence[int], n: int) -> None:
+    def pass_args(self, n: int, positions: torch.Tensor) -> dict:
+        """A pass of n tokens per row at `positions` [rows, n]: each row at its own positions,
+        under :meth:`attention_mask` (:class:`~.step.TargetRows`)."""
+        return {"position_ids": positions, "attention_mask": self.attention_mask(n)}
+
+    def keep(self, counts: Sequence[int], n: int) -> None:
         """After a pass of n tokens per row, row i keeps its first counts[i]: the tail no row
-        kept is cropped, the rest of each row's rejected tokens become holes."""
+        kept is cropped, the rest of each row's rejected tokens become holes (:class:`~.step.TargetRows`)."""
         top = max(counts)
         drop_tail(self.cache, n - top)
         kept = torch.arange(top, device=self.mask.device)[None] < torch.tensor(counts, device=self.mask.device)[:, None]
@@ -171,10 +177,12 @@ class RaggedCache:
 
 class RowProposers:
     """One proposer object per row (``accept``, ``propose``, e.g. the tests' OracleProposer) as
-    the batch calls them: each sees its own row of the hidden states, as in a single run."""
+    a step calls them (:func:`~.step.speculative_step`): each sees its own row of the hidden
+    states, as in a single run, and what each returns is checked (:func:`~.verify.check_draft`,
+    the shapes) before the rows are stacked. One prompt is one row."""
 
-    def __init__(self, proposers: Sequence, device):
-        self.proposers, self.device = list(proposers), device
+    def __init__(self, proposers: Sequence, device, vocab_size: int):
+        self.proposers, self.device, self.vocab_size = list(proposers), device, vocab_size
 
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor, seq: int = 0, index: int = 0) -> None:
         own = None if hidden_states is None else tuple(None if h is None else h[index:index + 1] for h in hidden_states)
@@ -184,6 +192,8 @@ class RowProposers:
         """The rows' drafts stacked [rows, n], or a :class:`~dflash_ext.sampling.Draft` of
         them and their q stacked [rows, n, V] where the proposers return their q."""
         drafts = [split_draft(self.proposers[s].propose(t, p, n)) for s, t, p in zip(seqs, last_tokens, positions)]
+        for tokens, q in drafts:
+            check_draft(tokens, q, n, self.vocab_size, values=False)
         tokens = torch.stack([t.to(self.device) for t, _ in drafts])
         sampled = [q is not None for _, q in drafts]
         if not any(sampled):
@@ -236,44 +246,23 @@ def batch_generate(target, proposer, prompts: Sequence[torch.Tensor], max_new_to
         alive.append(r), caches.append(cache), lasts.append(last), pos.append(n)
     if not alive:
         return results
-    ragged = RaggedCache(caches, target.config.get_text_config().model_type)
+    state = DecodeState(RaggedCache(caches, target.config.get_text_config().model_type), alive, lasts, pos)
     del caches
-    drafts_checked = False  # the proposers' first drafts' values were checked (once per generation)
-    while alive:
-        rows = len(alive)
-        verify_size = min(block_size, max(max_new_tokens - len(outs[r].res.tokens) for r in alive) + 1)
-        drafts, probs = split_draft(proposer.propose_rows(alive, lasts, pos, verify_size - 1)) if verify_size > 1 \
-            else (torch.empty(rows, 0, dtype=torch.long), None)
-        check_draft(drafts, probs, verify_size - 1, runner.vocab_size, values=verify_size > 1 and not drafts_checked)
-        drafts_checked |= verify_size > 1
-        drafts, probs = drafts.to(device), None if probs is None else probs.to(device)
-        clock("draft")
-        block = torch.cat([torch.tensor(lasts, device=device)[:, None], drafts], 1)
-        positions = torch.tensor(pos, device=device)[:, None] + torch.arange(verify_size, device=device)
-        logits, hidden, ragged.cache = runner(block, ragged.cache, hidden_states=drafting and verify_size > 1,
-                                              position_ids=positions, attention_mask=ragged.attention_mask(verify_size))
-        clock("verify")
-        news = verify_rows(drafts, logits, sampling, probs)
-        ragged.accept([len(new) for new in news], verify_size)
-        clock("other")
-        if drafting and verify_size > 1:
-            for i, (r, new) in enumerate(zip(alive, news)):
-                proposer.accept(hidden, slice(0, len(new)), torch.arange(pos[i], pos[i] + len(new), device=device),
-                                seq=r, index=i)
-        clock("draft")
+    while state.seqs:
+        verify_size = min(block_size, max(max_new_tokens - len(outs[r].res.tokens) for r in state.seqs) + 1)
+        news = speculative_step(runner, proposer, state, verify_size, sampling, clock)
         stay = []
-        for i, (r, new) in enumerate(zip(alive, news)):
+        for i, (r, new) in enumerate(zip(state.seqs, news)):
             res, before = outs[r].res, len(outs[r].res.tokens)
             done = outs[r].emit(new)
             res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
-            lasts[i], pos[i] = new[-1], pos[i] + len(new)
             if done:
                 finish(r)
             else:
                 stay.append(i)
-        if len(stay) < rows:  # finished rows leave: no more compute for them
-            alive, lasts, pos = [alive[i] for i in stay], [lasts[i] for i in stay], [pos[i] for i in stay]
+        if len(stay) < len(news):  # finished rows leave: no more compute for them
+            state.keep_rows(stay)
             if stay:
-                ragged.select(stay)
+                state.target.select(stay)
         clock("other")
     return results

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-from ..draft.proposer import DFlashProposer, Proposer
+from ..draft.proposer import DFlashProposer, Proposer, kept_proposer
 from ..model.drafter import DFlashDrafter
 from ..ops.linear import streamed_linears
 from ..sampling import Sampling
@@ -18,8 +18,8 @@ from .autotune import choose_block_size
 from .batch import RowProposers, batch_generate, check_batchable, per_row, prompt_rows, row_callback
 from .output import GenerationResult, PhaseClock, RowOutput, check_on_tokens, check_sampling, prompt_ids
 from .rollback import CacheRollback
-from .runner import TargetRunner
-from .step import DecodeState, speculative_step
+from .runner import TargetRunner, vocab_size
+from .step import DecodeState, OneRow, speculative_step
 
 __all__ = ["spec_generate", "target_generate"]
 
@@ -95,18 +95,11 @@ def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, 
     with streamed_linears(*models, enabled=stream_linears):
         device = ids.device
         n_prompt = ids.shape[1]
-        if isinstance(drafter, DFlashDrafter):
-            trained = drafter.config.block_size
-            B = _block_size(target, drafter, block_size, n_prompt, max_new_tokens, stream_linears, static_cache)
-            if B == 1:  # nothing to draft: the target alone, without the drafter's hidden states
-                return _target_generate_one(target, ids, max_new_tokens, sampling, stop_token_ids, on_tokens,
-                                            streamer, static_cache)
-            proposer = _proposer(drafter, target, B, n_prompt, max_new_tokens, fused, draft_window, sampling=sampling)
-            layer_ids = drafter.config.target_layer_ids
-        else:
-            B, proposer, trained = block_size, drafter, 0
-            layer_ids = getattr(drafter, "layer_ids", None)
-            _reset([proposer], n_prompt + max_new_tokens + B)
+        B, proposer, layer_ids, trained = _drafting(target, drafter, block_size, n_prompt, max_new_tokens, fused,
+                                                    draft_window, stream_linears, static_cache, sampling)
+        if proposer is None:  # nothing to draft: the target alone, without the drafter's hidden states
+            return _target_generate_one(target, ids, max_new_tokens, sampling, stop_token_ids, on_tokens, streamer,
+                                        static_cache)
         runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
         cache = runner_module.static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
@@ -116,14 +109,15 @@ def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, 
         clock = PhaseClock(device)
         logits, hidden, cache = runner(ids, cache, last_logits_only=True)
         clock("verify")
-        state = DecodeState(cache, CacheRollback(cache, B), int(sampling.token(logits[0, -1:])[0]), n_prompt)
-        done = out.emit([state.last])
+        last = int(sampling.token(logits[0, -1:])[0])
+        state = DecodeState(OneRow(cache, CacheRollback(cache, B)), [0], [last], [n_prompt])
+        done = out.emit([last])
         if not done and B > 1:
             proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
         clock("draft")
         while not done:
             verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)
+            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)[0]
             before = len(res.tokens)
             done = out.emit(new)
             res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
@@ -131,6 +125,27 @@ def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, 
         out.finish()
         res.draft_time, res.verify_time = clock.totals["draft"], clock.totals["verify"]
         return res
+
+
+def _drafting(target, drafter, block_size, context_len: int, max_new_tokens: int, fused: bool, draft_window,
+              stream_linears: bool, static_cache: bool, sampling: Sampling, batch_size: int = 1):
+    """(verify block B, proposer, the target layers it reads, the drafter's trained block or
+    0) of a generation of `batch_size` rows of at most `context_len` prompt tokens: a
+    DFlashDrafter's kept proposer (:func:`_proposer`; None at B = 1: the target alone), or the
+    caller's proposer objects (one, or a list of one per row), reset, as rows
+    (:class:`~.batch.RowProposers`)."""
+    if isinstance(drafter, DFlashDrafter):
+        trained = drafter.config.block_size
+        B = _block_size(target, drafter, block_size, context_len, max_new_tokens, stream_linears, static_cache,
+                        batch_size)
+        if B == 1:
+            return 1, None, None, trained
+        return (B, _proposer(drafter, target, B, context_len, max_new_tokens, fused, draft_window, sampling, batch_size),
+                drafter.config.target_layer_ids, trained)
+    proposers = list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
+    _reset(proposers, context_len + max_new_tokens + block_size)
+    rows = RowProposers(proposers, next(target.parameters()).device, vocab_size(target))
+    return block_size, rows, getattr(proposers[0], "layer_ids", None), 0
 
 
 def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: int, stream_linears: bool,
@@ -202,9 +217,9 @@ def _proposer(drafter, target, B: int, context_len: int, max_new_tokens: int, fu
     the budget. `sampling`: the generation's (:attr:`~dflash_ext.sampling.Sampling.samples_drafts`:
     the drafts sampled, with their q)."""
     block = max(B, drafter.config.block_size)
-    return DFlashProposer(drafter, target, capacity=context_len + max_new_tokens + block,
-                          initial_capacity=context_len + _FIRST_BLOCKS * block, fused=fused,
-                          draft_window=draft_window, batch_size=batch_size, sampling=sampling)
+    return kept_proposer(drafter, target, capacity=context_len + max_new_tokens + block,
+                         initial_capacity=context_len + _FIRST_BLOCKS * block, fused=fused,
+                         draft_window=draft_window, batch_size=batch_size, sampling=sampling)
 
 
 def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_tokens: int, sampling: Sampling,
@@ -225,17 +240,8 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
     longest = max(ids.shape[1] for ids in rows)
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
-        if isinstance(drafter, DFlashDrafter):
-            B = _block_size(target, drafter, block_size, longest, max_new_tokens, stream_linears, False, len(rows))
-            if B == 1:  # nothing to draft: the target alone, batched
-                return batch_generate(target, None, rows, max_new_tokens, 1, sampling, **common)
-            proposer = _proposer(drafter, target, B, longest, max_new_tokens, fused, draft_window, sampling, len(rows))
-            layer_ids = drafter.config.target_layer_ids
-        else:
-            B = block_size
-            _reset(drafter, longest + max_new_tokens + B)
-            proposer = RowProposers(drafter, next(target.parameters()).device)
-            layer_ids = getattr(drafter[0], "layer_ids", None)
+        B, proposer, layer_ids, _ = _drafting(target, drafter, block_size, longest, max_new_tokens, fused, draft_window,
+                                              stream_linears, False, sampling, len(rows))
         return batch_generate(target, proposer if B > 1 else None, rows, max_new_tokens, B, sampling,
                               layer_ids=layer_ids, **common)
 

@@ -17,7 +17,7 @@ import torch
 
 from .rollback import CacheRollback, drop_tail
 
-__all__ = ["TargetRunner", "cache_kwarg", "returned_cache", "static_cache", "compiled_call"]
+__all__ = ["TargetRunner", "vocab_size", "cache_kwarg", "returned_cache", "static_cache", "compiled_call"]
 
 
 def cache_kwarg(model) -> str:
@@ -31,6 +31,12 @@ def returned_cache(out):
     `past_key_values` in older ones)."""
     cache = getattr(out, "cache", None)
     return out.past_key_values if cache is None else cache
+
+
+def vocab_size(target) -> int:
+    """The width of the target's logits: what a draft's q spans, the ids a draft may hold."""
+    head = target.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else target.get_input_embeddings().num_embeddings
 
 
 class TargetRunner:
@@ -48,8 +54,7 @@ class TargetRunner:
     def __init__(self, target, layer_ids: Optional[Sequence[int]] = None, compiled_sizes: Sequence[int] = ()):
         self.target = target
         self.device = next(target.parameters()).device
-        head = target.get_output_embeddings()  # the logits' width: what a draft's q spans
-        self.vocab_size = head.weight.shape[0] if head is not None else target.get_input_embeddings().num_embeddings
+        self.vocab_size = vocab_size(target)
         self.cache_arg = cache_kwarg(target)
         self.can_keep_last = "logits_to_keep" in inspect.signature(target.forward).parameters
         self.needed = [l + 1 for l in layer_ids] if layer_ids else []

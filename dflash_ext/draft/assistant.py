@@ -115,12 +115,16 @@ class DFlashAssistant:
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
 
-    def _runtime(self) -> DraftRuntime:
-        """The runtime of this generation: a new one per generation, its cache growing as the
-        context does (transformers bounds the generation)."""
-        if self.runtime is None:
+    def _runtime(self, new_generation: bool) -> DraftRuntime:
+        """The assistant's runtime, made on its first call and reset at each new generation
+        (its cache's memory, tables and stacked weights kept; made again where the drafter
+        moved or was cast since), its cache growing as the context does (transformers bounds
+        the generation)."""
+        if self.runtime is None or (self.runtime.device, self.runtime.dtype) != (self.device, self.dtype):
             self.runtime = DraftRuntime(self.drafter, _FIRST_CAPACITY, max_capacity=sys.maxsize,
                                         draft_window=self.draft_window, fused=self.fused)
+        elif new_generation:
+            self.runtime.reset()
         return self.runtime
 
     @torch.no_grad()
@@ -138,11 +142,12 @@ class DFlashAssistant:
             raise ValueError(f"context_hidden_states has width {context_hidden_states.shape[-1]}; this drafter reads "
                              f"{len(c.target_layer_ids)} target layers of {c.hidden_size}")
         positions = position_ids[0].to(self.device)
-        if n and int(positions[0]) == 0:  # a new generation: its prefill starts at position 0
-            self.runtime, self.acceptance_lengths = None, []
+        new_generation = bool(n) and int(positions[0]) == 0  # its prefill starts at position 0
+        if new_generation:
+            self.acceptance_lengths = []
         else:
             self.acceptance_lengths.append(n)
-        runtime = self._runtime()
+        runtime = self._runtime(new_generation)
         if n:
             feats = context_hidden_states[0].to(self.device, self.dtype).split(c.hidden_size, -1)
             runtime.add_context(0, list(feats), positions[:n])

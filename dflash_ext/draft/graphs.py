@@ -31,27 +31,28 @@ class CapturedDraftStep:
     replay, eagerly, with the caller's generator), captured in a CUDA graph: static input
     buffers (the block's token ids and positions), the cache and its device lengths read in
     place, one replay per draft. The attention is planned for the cache capacity, so a replay
-    stays correct as the context grows within it. The graph reads by address what
-    :meth:`~.runtime.DraftRuntime.graph_layout` lists (the cache, the RoPE tables, the
-    weights, the vocabulary head): once one of them is another tensor (a cache or tables
-    grown, a parameter replaced), the step no longer :meth:`fits` and is captured anew."""
+    stays correct as the context grows within it. The graph reads by address the runtime's
+    :meth:`~.runtime.DraftRuntime.graph_buffers` (the cache, the RoPE tables: once one is
+    another tensor, grown, the step no longer :meth:`fits` and is captured anew) and its
+    :meth:`~.runtime.DraftRuntime.graph_weights` (held here; the runtime drops its graphs
+    when :meth:`~.runtime.DraftRuntime.refresh` finds one at a new address)."""
 
     @torch.no_grad()
     def __init__(self, runtime, width: int, n: int, sampled: bool = False):
         dev = runtime.device
         step = runtime.draft_logits if sampled else runtime.draft_tokens
         with torch.cuda.device(dev):
-            self.layout = runtime.graph_layout()  # also keeps those tensors alive while the graph may replay
+            # held: those tensors stay alive while the graph may replay
+            self.buffers, self.weights = runtime.graph_buffers(), runtime.graph_weights()
             self.ids = torch.full((1, width + 1), runtime.config.mask_token_id, dtype=torch.long, device=dev)
             self.offsets = torch.arange(width + 1, device=dev)[None]
             self.positions = self.offsets.clone()
             self.graph, self.out = capture_cuda_graph(lambda: step(self.ids, self.positions, n))
 
     def fits(self, runtime) -> bool:
-        """Whether what the runtime's step reads is still what this graph was captured on."""
-        now = runtime.graph_layout()  # tensors (the same ones) and parameter addresses (the same values)
-        return len(now) == len(self.layout) and all(a is b if isinstance(a, torch.Tensor) else a == b
-                                                    for a, b in zip(now, self.layout))
+        """Whether the cache and the tables the runtime's step reads are still the ones this
+        graph was captured on (a few identity checks: no walk over the weights)."""
+        return all(a is b for a, b in zip(runtime.graph_buffers(), self.buffers))
 
     def __call__(self, last_token: int, position: int):
         self.ids[:, :1].fill_(last_token)                     # device fills: no host round trip

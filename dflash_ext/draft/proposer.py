@@ -4,16 +4,17 @@ embedding and LM head: it takes the target's hidden states of the accepted token
 (:meth:`~DFlashProposer.accept`) and drafts the next block (:meth:`~DFlashProposer.propose`).
 Any object with these two methods is a proposer to the loop (:class:`Proposer`;
 :class:`~dflash_ext.testing.oracle.OracleProposer` is another)."""
+import weakref
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from ..sampling import Sampling
+from ..sampling import Draft, Sampling
 
 from .head import block_embedding
 from .runtime import DraftRuntime
 
-__all__ = ["Proposer", "DFlashProposer"]
+__all__ = ["Proposer", "DFlashProposer", "kept_proposer"]
 
 
 @runtime_checkable
@@ -69,8 +70,7 @@ class DFlashProposer:
         self.block_size = drafter.config.block_size
         # At T > 0 under rejection sampling the drafts are sampled (their q goes to the verifier).
         self.sampling = sampling if sampling is not None and sampling.samples_drafts else None
-        # Every position a block can reach: the cache holds <= capacity tokens, a block adds block_size.
-        self.capacity, self.position_limit = capacity, capacity + drafter.config.block_size + 1
+        self._bound(capacity)
 
     def reset(self, positions: int) -> None:
         """Start a new generation (the loop calls it: a proposer given to ``spec_generate`` again
@@ -82,6 +82,18 @@ class DFlashProposer:
                              f"this generation's prompt, budget and block need {positions}: make one with "
                              f"capacity >= {positions}")
         self.runtime.reset()
+
+    def renew(self, capacity: int, sampling: Optional[Sampling] = None) -> None:
+        """Start a new generation of up to `capacity` context tokens per sequence (the cache's
+        bound raised where that is more: it still grows only as tokens are accepted) with the
+        generation's `sampling`: what :func:`kept_proposer` does with a proposer it kept."""
+        self._bound(capacity)
+        self.sampling = sampling if sampling is not None and sampling.samples_drafts else None
+        self.runtime.reset(max_capacity=capacity)
+
+    def _bound(self, capacity: int) -> None:
+        # Every position a block can reach: the cache holds <= capacity tokens, a block adds block_size.
+        self.capacity, self.position_limit = capacity, capacity + self.block_size + 1
 
     @torch.no_grad()
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor, seq: int = 0, index: int = 0) -> None:
@@ -109,7 +121,11 @@ class DFlashProposer:
     def propose_rows(self, seqs, last_tokens, positions, n: int):
         """:meth:`propose` for the sequences `seqs` at once (one draft pass): the greedy tokens
         [len(seqs), n], or with `sampling` a :class:`~dflash_ext.sampling.Draft` of them and their q
-        [len(seqs), n, V] (row i's q is row i's own, as :meth:`propose` returns it)."""
+        [len(seqs), n, V] (row i's q is row i's own, as :meth:`propose` returns it). A
+        proposer of one sequence runs :meth:`propose`'s step (a captured one where it runs)."""
+        if len(self.runtime.cache.lengths) == 1:
+            draft = self.propose(last_tokens[0], positions[0], n)
+            return draft[None] if self.sampling is None else Draft(draft.tokens[None], draft.probs[None])
         return self.runtime.draft_rows(seqs, last_tokens, positions, self._width(max(positions), n), n,
                                        self.sampling)
 
@@ -120,3 +136,25 @@ class DFlashProposer:
             raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
                                f"{self.position_limit} positions this proposer was made for")
         return width
+
+
+def kept_proposer(drafter, target, capacity: int, initial_capacity: int, fused: bool, draft_window,
+                  batch_size: int, sampling: Sampling) -> DFlashProposer:
+    """`drafter`'s proposer against `target` for a new generation (:meth:`DFlashProposer.renew`):
+    the one kept on the drafter by the last call where it was made for the same target, device,
+    dtype, batch size, fused choice and draft window, else a new one (`initial_capacity` rows
+    per sequence at first), kept in its place. So the loop's generations share one runtime:
+    its cache's memory, tables, stacked weights, vocabulary head and captured graphs. One is
+    kept per drafter (it holds the last target's block embedding and LM head, and the cache
+    at its largest); the drafter drops it when copied or pickled."""
+    weight = drafter.fc.weight
+    key = (weight.device, weight.dtype, batch_size, fused, draft_window)
+    kept = drafter.__dict__.get("_kept_proposer")
+    if kept is not None and kept[0]() is target and kept[1] == key:
+        kept[2].renew(capacity, sampling)
+        return kept[2]
+    drafter.__dict__["_kept_proposer"] = None  # the old one's memory goes before the new one's is taken
+    proposer = DFlashProposer(drafter, target, capacity=capacity, initial_capacity=initial_capacity, fused=fused,
+                              draft_window=draft_window, batch_size=batch_size, sampling=sampling)
+    drafter.__dict__["_kept_proposer"] = (weakref.ref(target), key, proposer)
+    return proposer

@@ -1,7 +1,9 @@
 """The draft runtime: a :class:`~dflash_ext.model.drafter.DFlashDrafter` at inference, over
-the fused ops. :class:`DraftRuntime` holds one generation's drafting state and runs the draft
-step; the proposer (:mod:`.proposer`, ``spec_generate``'s) and the Hugging Face assistant
-(:mod:`.assistant`) both wrap one. The drafter itself keeps no inference state.
+the fused ops. :class:`DraftRuntime` holds the drafting state (reset per generation) and runs
+the draft step; the proposer (:mod:`.proposer`, ``spec_generate``'s) and the Hugging Face
+assistant (:mod:`.assistant`) both wrap one. The drafter's own code holds none of it
+(``spec_generate`` keeps its proposer on the drafter as an opaque attribute, dropped when the
+drafter is copied: :func:`~.proposer.kept_proposer`).
 """
 from typing import Optional, Sequence
 
@@ -13,7 +15,7 @@ from ..ops import reference
 from ..sampling import Draft, Sampling, sample_draft
 from .cache import DraftCache
 from .graphs import CapturedDraftStep
-from .head import draft_logits, draft_tokens, vocab_head
+from .head import greedy_draft, slot_logits, vocab_head, vocab_head_key
 from .layers import fused_layer, stacked_kv_weights, stacked_layer_weights
 
 __all__ = ["DraftRuntime"]
@@ -35,9 +37,12 @@ class DraftRuntime:
     - the context cache (:class:`~.cache.DraftCache`): `capacity` rows per sequence at first,
       growing up to `max_capacity` (None: fixed), each layer's window capped by `draft_window`;
     - the RoPE tables, grown with the positions asked for (:meth:`cover`);
-    - the weights the fused ops read, by the rule of :mod:`.layers`: the drafts follow the
-      parameters' current values whatever wrote them, at any time (the drafter must keep its
-      device and dtype while a runtime drafts with it: the cache is in them);
+    - the weights the fused ops read, by the rule of :mod:`.layers`: the drafts follow every
+      in-place write to the parameters at once (the stacked weights are their storage); a
+      parameter replaced, cast or moved is picked up by :meth:`refresh`, which :meth:`reset`
+      runs at each generation's start: one walk over the parameters per generation, none per
+      draft (the drafter keeps its device and dtype while a runtime drafts with it: the cache
+      is in them);
     - with the target's block `embed`\\ding and `lm_head` (the proposer's case): the draft tokens
       (:meth:`draft`; sampled at T > 0, :meth:`sample_draft`), the LM head restricted to the
       drafter's draft vocabulary (:func:`~.head.vocab_head`), and with `cuda_graph` (a CUDA
@@ -50,6 +55,11 @@ class DraftRuntime:
     tables: on CUDA a sync each); False reads nothing on the host, so the caller covers the
     positions first (:meth:`cover`) and the attention is planned for the cache's capacity (a
     static bound: what a CUDA graph needs).
+
+    A runtime lives as long as its caller keeps it: a generation starts with :meth:`reset`,
+    which keeps the cache's memory, the tables, the stacked weights, the vocabulary head and
+    the captured graphs (:class:`~dflash_ext.draft.proposer.DFlashProposer` and the loop's
+    :func:`~dflash_ext.draft.proposer.kept_proposer` reuse one across generations).
     """
 
     def __init__(self, drafter, capacity: int, *, batch_size: int = 1, max_capacity: Optional[int] = None,
@@ -68,14 +78,11 @@ class DraftRuntime:
         self.rope = None
         first, limit = capacity + self.config.block_size + 1, self.config.rope_position_limit
         self.cover(first if limit is None else min(first, limit))  # a position past a limit: its error, then
-        self._layer_weights = None
-        if fused:  # stacked now, on the caller's stream (never first inside a CUDA graph's warm-up)
-            self.layer_weights()
         self.embed, self.lm_head, self.cuda_graph = embed, lm_head, bool(cuda_graph)
         self.vocab = self.vocab_weight = self.vocab_bias = None
-        if lm_head is not None and drafter.draft_vocab is not None:
-            self.vocab, self.vocab_weight, self.vocab_bias = vocab_head(lm_head, drafter.draft_vocab, self.dtype)
-        self._graphs = {}  # (mask tokens in the block, tokens kept) -> CapturedDraftStep
+        self._vocab_key = self._weights_key = self._layer_weights = None
+        self._graphs = {}  # (mask tokens in the block, tokens kept, sampled) -> CapturedDraftStep
+        self.refresh()  # stacked now, on the caller's stream (never first inside a CUDA graph's warm-up)
 
     # ------------------------------------------------------------------ state
     def cover(self, positions: int) -> None:
@@ -91,16 +98,40 @@ class DraftRuntime:
             grown = max(positions, min(grown, limit))
         self.rope = rope_tables(self.config, grown, self.device, self.dtype)
 
-    def reset(self) -> None:
-        """Forget every sequence's context (a new generation): the cache's lengths to 0, its
-        memory, tables, weights and graphs kept."""
+    def reset(self, max_capacity: Optional[int] = None) -> None:
+        """Start a new generation: every sequence's context forgotten (the cache's lengths to
+        0; its memory, the tables, the weights and the graphs kept), the cache's bound raised
+        to `max_capacity` where that is more, and the weights checked (:meth:`refresh`)."""
+        if max_capacity is not None and max_capacity > self.cache.max_capacity:
+            self.cache.max_capacity = max_capacity
         for b in range(len(self.cache.lengths)):
             self.cache.set_length(b, 0)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Pick up drafter or LM-head weights replaced, cast or moved (a new tensor; in-place
+        writes need nothing): the layers' weights stacked again where a parameter is no longer
+        a view of them, the draft vocabulary's head rows gathered again, and the captured
+        graphs, which read every weight by address, dropped where an address changed. One
+        walk over the parameters: :meth:`reset` runs it once per generation."""
+        if self.fused:
+            self._layer_weights = stacked_layer_weights(self.drafter.layers, self._layer_weights)
+        if self.lm_head is not None and self.drafter.draft_vocab is not None:
+            key = vocab_head_key(self.lm_head, self.dtype)
+            if key != self._vocab_key:
+                self.vocab, self.vocab_weight, self.vocab_bias = vocab_head(self.lm_head, self.drafter.draft_vocab,
+                                                                            self.dtype)
+                self._vocab_key = key
+        if self.cuda_graph:
+            key = tuple(t.data_ptr() for t in self.graph_weights())
+            if key != self._weights_key:
+                self._graphs.clear()
+            self._weights_key = key
 
     def layer_weights(self):
-        """Per layer, its stacked (q/k/v, gate/up) weights (:func:`~.layers.stacked_layer_weights`):
-        the same tensors while the parameters are still their views."""
-        self._layer_weights = stacked_layer_weights(self.drafter.layers, self._layer_weights)
+        """Per layer, its stacked (q/k/v, gate/up) weights (:func:`~.layers.stacked_layer_weights`),
+        checked now (:meth:`refresh`): the same tensors while the parameters are still their views."""
+        self.refresh()
         return self._layer_weights
 
     # ------------------------------------------------------------------ the draft step
@@ -147,7 +178,7 @@ class DraftRuntime:
         fused_args = dict(max_context=-1 if self.validate else cache.capacity, validate=self.validate) if fused else {}
         scale = self.config.head_dim ** -0.5
         symmetric = self.config.layer_symmetric_window
-        weights = self.layer_weights() if fused else None
+        weights = self._layer_weights
         token_rope = cos.flatten(0, 1), sin.flatten(0, 1)  # [Bsz * B, D]: the fused layers' rows
         x, pending = block_embeds, None  # pending: a fused layer's MLP output, added by the next norm
         for i, layer in enumerate(self.drafter.layers):
@@ -186,7 +217,7 @@ class DraftRuntime:
         `seqs`: as in :meth:`draft_hidden`."""
         hidden, head = self._final_hidden(ids, positions, seqs)
         selector = getattr(self.drafter, "candidate_selector", None)  # DFlash2
-        return draft_tokens(hidden, *head, vocab=self.vocab, n=n, selector=selector, anchor=ids[:, 0])
+        return greedy_draft(hidden, *head, vocab=self.vocab, n=n, selector=selector, anchor=ids[:, 0])
 
     def draft_logits(self, ids: torch.Tensor, positions: torch.Tensor, n: int, seqs=None) -> tuple:
         """(hidden [Bsz, n, H], logits [Bsz, n, V']) of the first n prediction slots of the blocks
@@ -194,7 +225,7 @@ class DraftRuntime:
         and what a captured step replays at T > 0 (the sampling itself runs after the replay).
         `seqs`: as in :meth:`draft_hidden`."""
         hidden, head = self._final_hidden(ids, positions, seqs)
-        return hidden[:, 1:n + 1], draft_logits(hidden, *head, n)
+        return hidden[:, 1:n + 1], slot_logits(hidden, *head, n)
 
     def sample_draft(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
                      sampling: Sampling) -> Draft:
@@ -210,8 +241,8 @@ class DraftRuntime:
         or with `sampling` (a :class:`~dflash_ext.sampling.Sampling` at temperature > 0) a
         :class:`~dflash_ext.sampling.Draft` of them and their q [n, V]. With `cuda_graph`, a replay
         of the step captured for (width, n) (at T > 0: up to the logits, the sampling after
-        it), captured anew once what it reads changed (:meth:`graph_layout`); without, one row
-        of :meth:`draft_rows`."""
+        it), captured anew once the cache or the tables grew (:meth:`graph_buffers`) or
+        :meth:`refresh` found a weight at a new address; without, one row of :meth:`draft_rows`."""
         if not self.cuda_graph:
             out = self.draft_rows([0], [last_token], [position], width, n, sampling)
             return out[0] if sampling is None else Draft(out.tokens[0], out.probs[0])
@@ -246,13 +277,18 @@ class DraftRuntime:
             return self.draft_tokens(ids, pos, n, which)
         return self.sample_draft(*self.draft_logits(ids, pos, n, which), ids[:, 0], sampling)
 
-    def graph_layout(self) -> tuple:
-        """What a captured step reads by address: the cache (new tensors at every growth, which
-        also changes the capacity the attention is planned for), the RoPE tables, the stacked
-        layer weights and the vocabulary head (the same tensors while current), and the address
-        of every parameter it reads (a parameter given a new tensor)."""
-        stacked = [w for pair in self.layer_weights() for w in pair]
+    def graph_buffers(self) -> tuple:
+        """What a captured step reads by address and a generation may replace: the cache (new
+        tensors at every growth, which also changes the capacity the attention is planned for)
+        and the RoPE tables. The weights' addresses are :meth:`refresh`'s to check."""
+        return (self.cache.k, self.cache.v, *self.rope)
+
+    def graph_weights(self) -> tuple:
+        """Every weight a captured step reads by address: the stacked layer weights, the
+        vocabulary head and each parameter of the drafter, the block embedding and the LM head
+        (detached: a graph holding these keeps their memory alive even if a parameter is
+        given another tensor before the next :meth:`refresh`)."""
+        stacked = [w for pair in self._layer_weights or () for w in pair]
         params = (*self.drafter.parameters(), *self.embed.parameters(), *self.lm_head.parameters())
-        return (self.cache.k, self.cache.v, *self.rope, *stacked,
-                *(t for t in (self.vocab_weight, self.vocab_bias) if t is not None),
-                tuple(p.data_ptr() for p in params))
+        return (*stacked, *(t for t in (self.vocab_weight, self.vocab_bias) if t is not None),
+                *(p.detach() for p in params))

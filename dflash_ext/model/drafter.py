@@ -203,6 +203,25 @@ class DFlashDrafter(nn.Module):
         if problems:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
+    def __getstate__(self):
+        # What drafting keeps on the drafter (draft.proposer.kept_proposer: a cache, the target's
+        # head rows) is not copied or pickled with it.
+        state = self.__dict__.copy()
+        state.pop("_kept_proposer", None)
+        return state
+
+    def _rope_tables(self, positions: int):
+        """The RoPE tables of the training forward, on the drafter's device and dtype: computed
+        for a power of two of positions and kept on the drafter (one computation per growth,
+        not per sequence), again when the drafter moved or was cast."""
+        w, held = self.fc.weight, self.__dict__.get("_rope")
+        if held is None or held[0].shape[0] < positions or held[0].device != w.device or held[0].dtype != w.dtype:
+            limit = self.config.rope_position_limit
+            computed = max(64, 1 << (positions - 1).bit_length())
+            held = self.__dict__["_rope"] = rope_tables(self.config, computed if limit is None else
+                                                        max(positions, min(computed, limit)), w.device, w.dtype)
+        return held[0][:positions], held[1][:positions]
+
     def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Differentiable forward of all blocks of one sequence at once (training).
 
@@ -221,7 +240,7 @@ class DFlashDrafter(nn.Module):
         nb, B, H = block_embeds.shape
         D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         group, scale = Hq // Hkv, D ** -0.5
-        cos, sin = rope_tables(c, S + B, self.fc.weight.device, self.fc.weight.dtype)
+        cos, sin = self._rope_tables(S + B)
         ctx = self.hidden_norm(self.fc(features))
         cos_c, sin_c = cos[:S, None, :], sin[:S, None, :]
         pos = anchors[:, None] + torch.arange(B, device=anchors.device)  # [nb, B]

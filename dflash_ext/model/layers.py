@@ -2,7 +2,6 @@
 and DFlash2's parts (BlockConv, CandidateSelector), with their initialisation
 (:func:`init_weights`), and the RoPE tables they rotate by (:func:`rope_tables`). The
 drafter that holds them is :class:`~dflash_ext.model.drafter.DFlashDrafter`."""
-import json
 from typing import Optional
 
 import torch
@@ -20,26 +19,15 @@ def rope_tables(config: DFlashConfig, positions: int, device=None, dtype=None):
     `dtype`. A rope type that recomputes its frequencies from the sequence length past a limit
     (:attr:`DFlashConfig.rope_position_limit`) is a ValueError past it: an incremental context
     cache cannot follow that. Below the limit a position's row does not depend on how many are
-    computed, so the tables are computed for a power of two of positions and remembered per
-    rope (the training forward asks for them at every sequence)."""
+    computed, so a caller may keep a table and take its first rows (the draft runtime and the
+    drafter's training forward keep their own; nothing is kept here)."""
     limit = config.rope_position_limit
     if limit is not None and positions > limit:
         raise ValueError(f"rope_type {config.rope_parameters['rope_type']!r} recomputes every frequency from the "
                          f"whole sequence length past {limit} positions; drafting at {positions} positions is not "
                          "supported")
-    rope = json.dumps(dict(config.rope_parameters, head_dim=config.head_dim, hidden_size=config.hidden_size,
-                           heads=config.num_attention_heads, max_positions=config.max_position_embeddings),
-                      sort_keys=True)
-    held = _ROPE_TABLES.get(rope)
-    if held is None or held[0].shape[0] < positions:
-        computed = max(64, 1 << (positions - 1).bit_length())
-        held = _ROPE_TABLES[rope] = _qwen3_rope(config, computed if limit is None else min(computed, limit))
-    cos, sin = held
-    return cos[:positions].to(device, dtype), sin[:positions].to(device, dtype)
-
-
-# Per rope (its parameters and widths, as JSON): the largest fp32 CPU tables computed so far.
-_ROPE_TABLES = {}
+    cos, sin = _qwen3_rope(config, positions)
+    return cos.to(device, dtype), sin.to(device, dtype)
 
 
 def _qwen3_rope(config: DFlashConfig, positions: int):

@@ -40,12 +40,20 @@ def test_cpu_proposer_neither_captures_nor_skips_validation():
         DFlashProposer(drafter, target, capacity=64, cuda_graph=True)
 
 
-def test_the_draft_vocab_head_is_gathered_once_per_drafter():
+def test_the_draft_vocab_head_is_gathered_once_per_runtime():
+    """Gathered when the runtime is made, kept by a new generation (reset), gathered again at
+    the next generation once the target's head was written (in place: its version)."""
     target, drafter = _pair("cpu", draft_vocab=list(range(0, 128, 3)))
-    a = DFlashProposer(drafter, target, capacity=64)
-    b = DFlashProposer(drafter, target, capacity=64)
-    assert a.runtime.vocab_weight is b.runtime.vocab_weight
-    torch.testing.assert_close(a.runtime.vocab_weight, target.get_output_embeddings().weight[::3])
+    prop = DFlashProposer(drafter, target, capacity=64)
+    rows = prop.runtime.vocab_weight
+    torch.testing.assert_close(rows, target.get_output_embeddings().weight[::3])
+    prop.reset(64)
+    assert prop.runtime.vocab_weight is rows
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(2)
+    prop.reset(64)
+    assert prop.runtime.vocab_weight is not rows
+    torch.testing.assert_close(prop.runtime.vocab_weight, target.get_output_embeddings().weight[::3])
 
 
 def test_proposer_past_its_positions_is_a_clear_error():

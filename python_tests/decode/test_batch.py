@@ -7,6 +7,7 @@ import torch
 
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode import batch as batch_module
+from dflash_ext.decode import step as step_module
 from dflash_ext.decode.batch import RaggedCache
 from dflash_ext.testing.oracle import OracleProposer
 from dflash_ext.testing.targets import CROPPABLE, HYBRID, SLIDING, tiny_family_target
@@ -96,7 +97,7 @@ def test_the_ragged_cache_keeps_each_rows_tokens_in_order():
     assert ragged.mask.tolist() == [[0, 0, 0, 1, 1, 1], [1] * 6, [0] * 5 + [1]]
     keys_new = torch.full((3, 2, 4, 4), -1.0)
     ragged.cache.update(keys_new, torch.zeros(3, 2, 4, 3), 0)
-    ragged.accept([1, 3, 2], 4)  # 1 column cropped: no row kept the 4th
+    ragged.keep([1, 3, 2], 4)  # 1 column cropped: no row kept the 4th
     assert ragged.mask.shape[1] == 9 and ragged.mask[:, 6:].tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0]]
     ragged.compact()
     expect = [[300, 301, 302, -1], [600 + i for i in range(6)] + [-1] * 3, [100, -1, -1]]
@@ -257,7 +258,7 @@ def test_the_batch_hands_each_rows_q_to_the_rule(monkeypatch, rule):
     (the law alone cannot tell: one-hot q is exact too, only accepts less); under match none."""
     target = tiny_family_target("llama")
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
-    seen, real = [], batch_module.verify_rows
+    seen, real = [], step_module.verify_rows
 
     def spy(drafts, logits, sampling, probs):
         seen.append((tuple(drafts.shape), None if probs is None else tuple(probs.shape), sampling.verify))
@@ -265,7 +266,7 @@ def test_the_batch_hands_each_rows_q_to_the_rule(monkeypatch, rule):
             assert bool((probs.gather(-1, drafts[..., None]) > 0).all())
         return real(drafts, logits, sampling, probs)
 
-    monkeypatch.setattr(batch_module, "verify_rows", spy)
+    monkeypatch.setattr(step_module, "verify_rows", spy)
     spec_generate(target, drafter, PROMPTS[:3], 8, temperature=1.0, verify=rule,
                   generator=torch.Generator().manual_seed(0))
     assert seen and all(r == rule for *_, r in seen)

@@ -359,7 +359,7 @@ def test_fewer_drafts_are_the_first_of_the_full_block(target):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lm_head_padding_is_measured_and_changes_no_token(dtype, monkeypatch):
-    from dflash_ext.draft.head import draft_tokens
+    from dflash_ext.draft.head import greedy_draft
     from dflash_ext.ops import linear
 
     g = torch.Generator().manual_seed(0)
@@ -370,7 +370,7 @@ def test_lm_head_padding_is_measured_and_changes_no_token(dtype, monkeypatch):
         picks = []
         for pad in (0, 16 - n):
             monkeypatch.setitem(linear._PADDING, (n, (1000, 64), dtype, False), pad)
-            picks.append(draft_tokens(hidden, weight, n=n))
+            picks.append(greedy_draft(hidden, weight, n=n))
         assert torch.equal(picks[0], picks[1]) and picks[0].shape == (1, n)
         want = F.linear(hidden[0, 1:n + 1].float(), weight.float()).argmax(-1)
         assert (picks[0][0] == want).float().mean() >= 0.8  # bf16 rounding may flip a near tie

@@ -8,7 +8,8 @@ import torch
 from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode.rollback import CacheRollback
 from dflash_ext.decode.runner import TargetRunner
-from dflash_ext.decode.step import DecodeState, speculative_step
+from dflash_ext.decode.batch import RowProposers
+from dflash_ext.decode.step import DecodeState, OneRow, speculative_step
 from dflash_ext.sampling import Sampling, process_logits
 from dflash_ext.testing.oracle import OracleProposer
 from dflash_ext.testing.targets import CROPPABLE, FAMILIES, HYBRID, SLIDING, SLIDING_WINDOW, tiny_family_target
@@ -119,19 +120,22 @@ def test_a_rejection_at_every_block_position_rolls_back_to_a_fresh_prefill(famil
     sampling = Sampling()  # greedy
     for wrong in range(B):
         logits, _, cache = runner(torch.tensor([prompt]), None, hidden_states=False, last_logits_only=True)
-        state = DecodeState(cache, CacheRollback(cache, B), int(logits[0, -1].argmax()), len(prompt))
-        emitted = [state.last]
+        rollback = CacheRollback(cache, B)
+        state = DecodeState(OneRow(cache, rollback), [0], [int(logits[0, -1].argmax())], [len(prompt)])
+        emitted = list(state.lasts)
+        V = target.config.vocab_size
+        proposer = RowProposers([WrongAt(base, len(prompt), V, wrong)], "cpu", V)
         for _ in range(steps):
-            new = speculative_step(runner, WrongAt(base, len(prompt), target.config.vocab_size, wrong),
-                                   state, B, sampling)
+            [new] = speculative_step(runner, proposer, state, B, sampling)
             assert len(new) == min(wrong, B - 1) + 1
             emitted += new
-            assert emitted == base[:len(emitted)] and state.pos == len(prompt) + len(emitted) - 1
-            assert all(int(layer.get_seq_length()) == state.pos for layer in cache.layers)
+            pos, last = state.positions[0], state.lasts[0]
+            assert emitted == base[:len(emitted)] and pos == len(prompt) + len(emitted) - 1
+            assert all(int(layer.get_seq_length()) == pos for layer in cache.layers)
             _, _, fresh = runner(torch.tensor([prompt + emitted[:-1]]), None, hidden_states=False)
-            torch.testing.assert_close(next_logits(runner, cache, state.last, state.rollback),
-                                       next_logits(runner, fresh, state.last), rtol=1e-4, atol=1e-4)
-            state.rollback(1)  # undo the probe token: the cache is back where the step left it
+            torch.testing.assert_close(next_logits(runner, cache, last, rollback),
+                                       next_logits(runner, fresh, last), rtol=1e-4, atol=1e-4)
+            rollback(1)  # undo the probe token: the cache is back where the step left it
         for layer in cache.layers:
             if getattr(layer, "sliding_window", None):
                 assert layer.keys.shape[-2] == SLIDING_WINDOW - 1

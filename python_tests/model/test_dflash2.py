@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_ext import DFlashDrafter
-from dflash_ext.draft.head import draft_tokens
+from dflash_ext.draft.head import greedy_draft
 from dflash_ext.model.config_fields import DFLASH2_ARCHITECTURE
 from python_tests.model.plain_reference import (H, K_FEATS, config_json, our_draft_step, plain_draft_step,
                                                   plain_select, random_drafter)
@@ -59,7 +59,7 @@ def test_draft_equals_the_plain_reference(name):
         for fused in (False, True):
             ours = our_draft_step(drafter, feats, embeds, CONTEXT, fused)
             torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-            got = draft_tokens(ours[None], rows, vocab=ids, selector=drafter.candidate_selector,
+            got = greedy_draft(ours[None], rows, vocab=ids, selector=drafter.candidate_selector,
                                anchor=torch.tensor([anchor]))
             assert got[0].tolist() == want
 
@@ -72,7 +72,7 @@ def test_the_selector_and_the_convolution_change_the_draft():
     feats, embeds, head = inputs(5)
     with torch.no_grad():
         ours = our_draft_step(drafter, feats, embeds, CONTEXT, fused=False)
-        path = draft_tokens(ours[None], head, selector=drafter.candidate_selector, anchor=torch.tensor([17]))
+        path = greedy_draft(ours[None], head, selector=drafter.candidate_selector, anchor=torch.tensor([17]))
         assert path[0].tolist() != (ours[1:] @ head.T).argmax(-1).tolist()
         for layer in drafter.layers:
             layer.attention_conv.reset_identity()
@@ -132,8 +132,8 @@ def test_dflash2_from_v1_drafts_the_v1_blocks(fused):
             h1 = our_draft_step(v1, feats, embeds, CONTEXT, fused)
             h2 = our_draft_step(v2, feats, embeds, CONTEXT, fused)
             assert torch.equal(h1, h2)
-            path = draft_tokens(h2[None], head, selector=v2.candidate_selector, anchor=torch.tensor([seed]))
-            assert torch.equal(path, draft_tokens(h1[None], head))
+            path = greedy_draft(h2[None], head, selector=v2.candidate_selector, anchor=torch.tensor([seed]))
+            assert torch.equal(path, greedy_draft(h1[None], head))
 
 
 def test_dflash2_from_keeps_the_draft_vocabulary_and_refuses_dflash2():
