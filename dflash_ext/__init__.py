@@ -42,19 +42,11 @@ _LAZY = {
     "GenerationResult": "decode.output",
     "choose_block_size": "decode.autotune",
     "BlockSizeChoice": "decode.autotune",
+    "info": "diagnostics",
 }
 
 __all__ = ["ops", "reference", "hardware", "project_features", "inject_context_kv", "block_attention", "skinny_linear",
-           "block_conv", "rms_norm", "qk_norm_rope", "info", *_LAZY]
-
-
-def info() -> dict:
-    """What a bug report needs: versions, the CUDA architectures compiled in and whether they
-    run here, the CPU ISA and each op's path, the default target and drafter found
-    (:mod:`dflash_ext.diagnostics`; ``python -m dflash_ext info`` prints it)."""
-    from .diagnostics import info as report
-
-    return report()
+           "block_conv", "rms_norm", "qk_norm_rope", *_LAZY]
 
 
 def __getattr__(name: str):
