@@ -1,7 +1,8 @@
 """The public API is exported once, from the package root; the 0.1 paths the README showed
-(``dflash_ext.drafter``, ``.decoding``, ``.models``, ``.proposer``, ``DFlashDrafter.as_assistant``)
-keep working for one release, each use warning (DeprecationWarning) with the import that
-replaces it (dflash_ext/_deprecated.py)."""
+(``dflash_ext.drafter``, ``.decoding``, ``.models``, ``.proposer``, the root's ``reference`` and
+``hardware``, ``DFlashDrafter.as_assistant``) keep working for one release, each use warning
+(DeprecationWarning) with the import that replaces it (dflash_ext/_deprecated.py), which
+loads only when one is used."""
 import importlib
 import subprocess
 import sys
@@ -9,12 +10,12 @@ import sys
 import pytest
 
 import dflash_ext
-from dflash_ext._deprecated import MOVED
+from dflash_ext._deprecated import MOVED, OLD_NAMES
 from dflash_ext.testing.targets import tiny_target
 
 README_NAMES = ("DFlashDrafter", "spec_generate", "target_generate", "load_default_target", "default_drafter_path",
                 "DFlashConfig", "GenerationResult", "DFlashAssistant", "rms_norm", "qk_norm_rope", "project_features",
-                "inject_context_kv", "block_attention", "skinny_linear", "block_conv", "ops", "reference", "info")
+                "inject_context_kv", "block_attention", "skinny_linear", "block_conv", "ops", "info")
 
 
 def test_the_root_exports_the_public_api():
@@ -22,8 +23,9 @@ def test_the_root_exports_the_public_api():
     for name in dflash_ext.__all__:
         assert getattr(dflash_ext, name) is not None, name
     assert set(dflash_ext.__all__) <= set(dir(dflash_ext))
-    assert dflash_ext.rms_norm is dflash_ext.ops.rms_norm and dflash_ext.reference is importlib.import_module(
-        "dflash_ext.ops.reference")
+    assert dflash_ext.rms_norm is dflash_ext.ops.rms_norm
+    with pytest.warns(DeprecationWarning, match=r"use `from dflash_ext.ops import reference`"):
+        assert dflash_ext.reference is importlib.import_module("dflash_ext.ops.reference")
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         dflash_ext.nothing
 
@@ -33,6 +35,28 @@ def test_importing_the_package_loads_no_decoding_side():
     code = "import sys, dflash_ext; print('transformers' in sys.modules, 'dflash_ext.decode.loop' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_importing_the_package_loads_no_old_path():
+    """`import dflash_ext` installs the old paths' finder and nothing else of them: no old
+    module made, no module of model/ (as_assistant's class), no transformers."""
+    code = "import sys, dflash_ext; print(sorted(m for m in sys.modules if m.startswith('dflash_ext')))"
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert loaded == ["dflash_ext", "dflash_ext._C", "dflash_ext._deprecated", "dflash_ext.ops",
+                      "dflash_ext.ops.hardware"]
+
+
+@pytest.mark.parametrize("old,new", sorted(OLD_NAMES.items()))
+def test_each_old_name_of_a_module_warns_with_its_one_path_and_resolves(old, new):
+    module = importlib.import_module(f"dflash_ext.{new}")
+    with pytest.warns(DeprecationWarning) as record:
+        value = getattr(dflash_ext, old)
+    assert value is module
+    (warning,) = record
+    assert str(warning.message) == (f"dflash_ext.{old} is deprecated and goes in 0.3: "
+                                    f"use `from dflash_ext.ops import {old}`")
+    assert warning.filename == __file__  # it points at the caller
+    assert old not in dflash_ext.__all__ and old not in dir(dflash_ext)
 
 
 @pytest.mark.parametrize("old,name,new", [(o, n, m) for o, names in MOVED.items() for n, m in names.items()])
