@@ -1,6 +1,6 @@
 // Every op's schema (the one TORCH_LIBRARY block), and the fallbacks in ATen ops for devices
 // without a kernel of ours (skinny_linear, block_conv). The device kernels register in
-// cpu/<family>.cpp and cuda/<family>.cpp; the specs are in dflash_ext/reference.py.
+// cpu/<family>.cpp and cuda/<family>.cpp; the specs are in dflash_ext/ops/reference.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 

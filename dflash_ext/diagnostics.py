@@ -51,7 +51,7 @@ def _cuda() -> dict:
     if out["available"]:
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
-            arch = _C._cuda_plan("kernel_arch", major, minor)  # this build's choice (ops_cuda.cpp)
+            arch = _C._cuda_plan("kernel_arch", major, minor)  # this build's choice (kernel_arch_for, cuda/plans.h)
             runs = {0: None, 80: "sm80", 90: "sm90a", 100: "sm100"}[arch]
             if runs == "sm80" and major != 8:
                 runs = "sm80 (its PTX, JIT-compiled by the driver)"
