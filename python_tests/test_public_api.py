@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import dflash_ext
-from dflash_ext._deprecated import MOVED, OLD_NAMES
+from dflash_ext._deprecated import MOVED, OLD_NAMES, REMOVED_IN
 from dflash_ext.testing.targets import tiny_target
 
 README_NAMES = ("DFlashDrafter", "spec_generate", "target_generate", "load_default_target", "default_drafter_path",
@@ -124,6 +124,14 @@ def test_as_assistant_warns_and_returns_the_assistant():
         assistant = drafter.as_assistant(target, draft_window=8)
     assert isinstance(assistant, dflash_ext.DFlashAssistant) and assistant.drafter is drafter
     assert assistant.draft_window == 8
+
+
+def test_the_old_paths_go_in_the_release_they_name():
+    """The promise kept: the release that reaches REMOVED_IN deletes dflash_ext/_deprecated.py
+    (its import in the root, its tests here) instead of carrying it further."""
+    def release(version):
+        return tuple(int(p) for p in version.split(".")[:2])
+    assert release(dflash_ext.__version__) < release(REMOVED_IN), "remove dflash_ext/_deprecated.py in this release"
 
 
 def test_the_suite_itself_fails_on_a_deprecated_path():
