@@ -40,10 +40,10 @@ def test_importing_the_package_loads_no_decoding_side():
 def test_importing_the_package_loads_no_old_path():
     """`import dflash_ext` installs the old paths' finder and nothing else of them: no old
     module made, no module of model/ (as_assistant's class), no transformers."""
-    code = "import sys, dflash_ext; print(sorted(m for m in sys.modules if m.startswith('dflash_ext')))"
+    code = "import sys, dflash_ext; print(sorted(sys.modules))"
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert loaded == ["dflash_ext", "dflash_ext._C", "dflash_ext._deprecated", "dflash_ext.ops",
-                      "dflash_ext.ops.hardware"]
+    assert {m.split(".")[1] for m in loaded if m.startswith("dflash_ext.")} == {"_C", "_deprecated", "ops"}
+    assert "dflash_ext.model.drafter" not in loaded and not any(m.split(".")[0] == "transformers" for m in loaded)
 
 
 @pytest.mark.parametrize("old,new", sorted(OLD_NAMES.items()))
