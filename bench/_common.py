@@ -106,8 +106,8 @@ def cpu_model() -> str:
 
 
 def cpu_isa():
-    """dflash_ext.hardware.cpu_isa() (detected / active ISA level, features) where available."""
-    from dflash_ext import hardware
+    """dflash_ext.ops.hardware.cpu_isa() (detected / active ISA level, features) where available."""
+    from dflash_ext.ops import hardware
     return hardware.cpu_isa() if hasattr(hardware, "cpu_isa") else None
 
 

@@ -1,14 +1,14 @@
 """The baselines a user would write instead of each fused op: batched plain PyTorch in the
 inputs' dtype (no fp32 upcast, no Python loop over tokens or layers). bench.bench_ops times the
 fused ops against them; python_tests/ops/test_reference_baselines.py checks them against the
-specification (dflash_ext.reference)."""
+specification (dflash_ext.ops.reference)."""
 import functools
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from dflash_ext import reference
+from dflash_ext.ops import reference
 
 def eager_project_features(features: Sequence[torch.Tensor], fc_weight: torch.Tensor,
                            norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -38,7 +38,8 @@ from bench._common import DTYPES, MismatchError
 
 from bench.baselines import (eager_bare_linear, eager_block_attention, eager_block_conv, eager_inject_context_kv,
                              eager_project_features, sdpa_block_attention, sdpa_problem, sdpa_supports_gqa)
-from dflash_ext import hardware, ops, reference
+from dflash_ext import ops
+from dflash_ext.ops import hardware, reference
 from dflash_ext.testing.inputs import randn
 
 PRESETS = {name: dict(H=p["hidden_size"], Hq=p["num_attention_heads"], Hkv=p["num_key_value_heads"], D=p["head_dim"],
@@ -205,7 +206,7 @@ CASES = dict(project_features=cases_project_features, inject_context_kv=cases_in
 # --------------------------------------------------------------------------- goals and output
 
 def path_taken(op, dtype, preset, tag, device):
-    """The kernel path `op` takes now for a case: dflash_ext.hardware.cpu_paths, given the shape
+    """The kernel path `op` takes now for a case: dflash_ext.ops.hardware.cpu_paths, given the shape
     arguments it takes (GEMM rows; attention keys and query rows per KV head); else the device."""
     if device.type != "cpu" or not hasattr(hardware, "cpu_paths"):
         return None if device.type == "cpu" else device.type
@@ -271,8 +272,8 @@ def parse_args(argv=None):
     ap.add_argument("--conv-hidden", nargs="+", type=int, default=None,
                     help="block_conv: widths H, multiples of 16 (default: the preset's hidden size)")
     ap.add_argument("--isa", nargs="+", choices=ISA_LEVELS + ["all"], default=None,
-                    help="CPU: run once per ISA level, forced with dflash_ext.hardware.forced_cpu_isa; 'all': every "
-                         "level up to the detected one (default: the active level, not forced)")
+                    help="CPU: run once per ISA level, forced with dflash_ext.ops.hardware.forced_cpu_isa; 'all': "
+                         "every level up to the detected one (default: the active level, not forced)")
     ap.add_argument("--copy-mib", type=float, default=1024,
                     help="CUDA: size of the buffer whose copy measures the bandwidth (default 1024 MiB)")
     args = ap.parse_args(argv)

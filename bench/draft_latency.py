@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from bench import _common
 from bench._common import DTYPES, OUT_DIR, MismatchError, format_table
 
-from dflash_ext import DFlashConfig, DFlashDrafter, ops, reference
+from dflash_ext import DFlashConfig, DFlashDrafter, ops
 from dflash_ext.draft.graphs import capture_cuda_graph
 from dflash_ext.draft.head import greedy_draft
 from dflash_ext.draft.layers import stacked_kv_weights
 from dflash_ext.draft.runtime import DraftRuntime
 from dflash_ext.model.config import default_target_layer_ids
+from dflash_ext.ops import reference
 
 PRESETS = _common.DRAFTERS  # DFlashConfig fields, plus k target features and the rope theta
 ALL_BLOCKS, ALL_CONTEXTS = [2, 4, 8, 10, 16, 32], [512, 2048, 8192, 32768]

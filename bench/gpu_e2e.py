@@ -102,10 +102,10 @@ def ms(samples):
 def time_target_alone(target, prompt, static: bool, args, cache_len: int) -> dict:
     """Median ms of one target pass over one token (plus its argmax, as target_generate
     takes it), after `args.warmup` untimed passes (the compile and the CUDA-graph capture)."""
-    from dflash_ext.decode.runner import TargetRunner, static_cache
+    from dflash_ext.decode.runner import TargetRunner, make_static_cache
 
     runner = TargetRunner(target, compiled_sizes=(1,) if static else ())
-    cache = static_cache(target, cache_len) if static else None
+    cache = make_static_cache(target, cache_len) if static else None
     logits, _, cache = runner(prompt, cache, hidden_states=False, last_logits_only=True)
     token = logits[0, -1:].argmax(-1)[None]
     timer, laps = Timer(prompt.device), []
@@ -139,13 +139,13 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     (sampling, the accept rule); `args.warmup` untimed steps first."""
     from dflash_ext import DFlashProposer
     from dflash_ext.decode.rollback import CacheRollback
-    from dflash_ext.decode.runner import TargetRunner, static_cache
+    from dflash_ext.decode.runner import TargetRunner, make_static_cache
     from dflash_ext.decode.step import DecodeState, OneRow, speculative_step
     from dflash_ext.sampling import Sampling
 
     B, n, device = args.block, prompt.shape[1], prompt.device
     runner = TargetRunner(target, drafter.config.target_layer_ids, compiled_sizes=(B,) if static else ())
-    cache = static_cache(target, cache_len) if static else None
+    cache = make_static_cache(target, cache_len) if static else None
     logits, hidden, cache = runner(prompt, cache, last_logits_only=True)
     rollback = TimedRollback(CacheRollback(cache, B), device)
     state = DecodeState(OneRow(cache, rollback), [0], [int(logits[0, -1].argmax())], [n])

@@ -1,6 +1,6 @@
 // Every op's schema (the one TORCH_LIBRARY block), and the fallbacks in ATen ops for devices
 // without a kernel of ours (skinny_linear, block_conv). The device kernels register in
-// cpu/<family>.cpp and cuda/<family>.cpp; the specs are in dflash_ext/reference.py.
+// cpu/<family>.cpp and cuda/<family>.cpp; the specs are in dflash_ext/ops/reference.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -40,7 +40,7 @@ static at::Tensor skinny_linear_library(const at::Tensor& x, const at::Tensor& w
 }
 
 // block_conv on devices without a kernel of ours (the CPU's is cpu/block_conv.cpp, CUDA's
-// cuda/block_conv.cpp): the checks, then the math of dflash_ext.reference.block_conv in
+// cuda/block_conv.cpp): the checks, then the math of dflash_ext.ops.reference.block_conv in
 // ATen ops (fp32, one cast to x's dtype).
 static at::Tensor block_conv_unfused(const at::Tensor& x, const at::Tensor& base, const at::Tensor& delta) {
   const dflash::BlockConvDims d = dflash::check_block_conv(x, base, delta);

@@ -4,9 +4,9 @@ The public API, exported here once (its layers, one way down: docs/layout.md):
 
 - the ops (``torch.ops.dflash_ext.*``): :func:`project_features`, :func:`inject_context_kv`,
   :func:`block_attention`, :func:`skinny_linear`, :func:`block_conv`, :func:`rms_norm`,
-  :func:`qk_norm_rope`; the modules :mod:`ops` (the op API), :mod:`reference` (the
-  plain-PyTorch specification of every op) and :mod:`hardware` (CPU features, ISA level,
-  dtype choice); :func:`streamed_linears` (a model's linear layers through skinny_linear);
+  :func:`qk_norm_rope`; the module :mod:`ops` (the op API; beside it :mod:`.ops.reference`,
+  the plain-PyTorch specification of every op, and :mod:`.ops.hardware`: CPU features, ISA
+  level, dtype choice); :func:`streamed_linears` (a model's linear layers through skinny_linear);
 - the drafter: :class:`DFlashDrafter`, :class:`DFlashConfig`;
 - drafting: :class:`DFlashProposer` (spec_generate's), :class:`DFlashAssistant` (an
   ``assistant_model`` for Hugging Face ``generate``);
@@ -16,7 +16,8 @@ The public API, exported here once (its layers, one way down: docs/layout.md):
   :func:`load_target`, :func:`default_drafter_path`;
 - :func:`info` (``python -m dflash_ext info``): what was built and what runs here.
 
-Importing the package loads the compiled extension; the rest loads on first use.
+Importing the package loads the compiled extension; the rest loads on first use, the 0.1
+paths too (until 0.3: :mod:`._deprecated`, whose finder is all that importing installs).
 """
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it from this line
 import importlib
@@ -24,8 +25,8 @@ import importlib
 import torch  # noqa: F401  (loads libtorch before the extension that links to it)
 
 from . import _deprecated, ops  # noqa: E402  (ops loads the compiled extension)
-from .ops import (block_attention, block_conv, hardware, inject_context_kv, project_features,  # noqa: E402
-                  qk_norm_rope, reference, rms_norm, skinny_linear)
+from .ops import (block_attention, block_conv, inject_context_kv, project_features, qk_norm_rope,  # noqa: E402
+                  rms_norm, skinny_linear)
 
 # The public names that load on first use (the decoding side imports transformers), by module.
 _LAZY = {
@@ -42,29 +43,19 @@ _LAZY = {
     "GenerationResult": "decode.output",
     "choose_block_size": "decode.autotune",
     "BlockSizeChoice": "decode.autotune",
+    "info": "diagnostics",
 }
 
-__all__ = ["ops", "reference", "hardware", "project_features", "inject_context_kv", "block_attention", "skinny_linear",
-           "block_conv", "rms_norm", "qk_norm_rope", "info", *_LAZY]
-
-
-def info() -> dict:
-    """What a bug report needs: versions, the CUDA architectures compiled in and whether they
-    run here, the CPU ISA and each op's path, the default target and drafter found
-    (:mod:`dflash_ext.diagnostics`; ``python -m dflash_ext info`` prints it)."""
-    from .diagnostics import info as report
-
-    return report()
+__all__ = ["ops", "project_features", "inject_context_kv", "block_attention", "skinny_linear",
+           "block_conv", "rms_norm", "qk_norm_rope", *_LAZY]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        value = _deprecated.with_old_methods(name, getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name))
         globals()[name] = value
         return value
-    if name in _deprecated.MOVED:  # an old module used as an attribute: imported (and set here) as `import` does
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _deprecated.old_attribute(__name__, __all__, name)  # a 0.1 path, else an AttributeError
 
 
 def __dir__():

@@ -1,17 +1,24 @@
 """The paths of the 0.1 layout that the README showed, kept working for one release (to be
-removed in 0.3): the modules ``dflash_ext.drafter``, ``dflash_ext.decoding``,
+removed in 0.3, :data:`REMOVED_IN`): the modules ``dflash_ext.drafter``, ``dflash_ext.decoding``,
 ``dflash_ext.models`` and ``dflash_ext.proposer`` (without files: the import system makes
 each on its first import or attribute use, :class:`_OldPaths`, and each name it held
-resolves to its new home) and ``DFlashDrafter.as_assistant``. Each use warns
-(DeprecationWarning) and names the import that replaces it. Nothing of the package uses them;
-the test suite turns their warning into an error (pyproject.toml's filterwarnings)."""
+resolves to its new home), the root's ``reference`` and ``hardware`` (the modules
+``dflash_ext.ops.reference`` and ``dflash_ext.ops.hardware``: one path each) and
+``DFlashDrafter.as_assistant``. Each use warns (DeprecationWarning) and names the import that
+replaces it. Nothing of the package uses them; the test suite turns their warning into an
+error (pyproject.toml's filterwarnings).
+
+Importing the package installs the finder only (this module imports nothing of the package):
+an old module is made, and the module its names moved to imported, on its first use;
+``as_assistant`` is set on ``DFlashDrafter`` where 0.1 code reaches the class, on its first
+use through the root (``dflash_ext.DFlashDrafter``) or ``dflash_ext.drafter``."""
 import importlib
 import importlib.abc
 import importlib.util
 import sys
 import warnings
 
-# old module -> {name it held: the module that holds it now}
+# old module -> {name it held: the module that holds it now, or "module:new name" where it was renamed}
 MOVED = {
     "drafter": {
         **dict.fromkeys(("DFlashDrafter",), "model.drafter"),
@@ -33,10 +40,13 @@ MOVED = {
                             "model.pretrained"),
     "proposer": {
         **dict.fromkeys(("DFlashProposer",), "draft.proposer"),
-        **dict.fromkeys(("draft_tokens", "block_embedding"), "draft.head"),
+        **dict.fromkeys(("block_embedding",), "draft.head"),
+        "draft_tokens": "draft.head:greedy_draft",  # renamed there
         **dict.fromkeys(("capture_cuda_graph",), "draft.graphs"),
     },
 }
+# the root's old names of modules -> their one path now
+OLD_NAMES = {"reference": "ops.reference", "hardware": "ops.hardware"}
 REMOVED_IN = "0.3"
 
 
@@ -70,9 +80,11 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def __getattr__(name):
             if name not in moved:
                 raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+            where, _, new = moved[name].partition(":")  # "module" or "module:its new name"
+            new = new or name
             warnings.warn(f"{module.__name__} is deprecated and goes in {REMOVED_IN}: use "
-                          f"`{_new_import(package, public, moved[name], name)}`", DeprecationWarning, stacklevel=2)
-            return getattr(importlib.import_module(f"{package}.{moved[name]}"), name)
+                          f"`{_new_import(package, public, where, new)}`", DeprecationWarning, stacklevel=2)
+            return with_old_methods(name, getattr(importlib.import_module(f"{package}.{where}"), new))
 
         module.__getattr__ = __getattr__
         module.__dir__ = lambda: sorted(set(vars(module)) | set(moved))
@@ -88,11 +100,34 @@ def _as_assistant(self, target=None, fused: bool = True, draft_window=None):
     return DFlashAssistant(self, target, fused=fused, draft_window=draft_window)
 
 
+# class -> {its old method: the method}, set on the class at its first use through an old path or the root
+OLD_METHODS = {"DFlashDrafter": {"as_assistant": _as_assistant}}
+
+
+def with_old_methods(name: str, value):
+    """`value` (the root's or an old module's `name`), its old methods set on it if it is a
+    class that had some."""
+    for method, function in OLD_METHODS.get(name, {}).items():
+        setattr(value, method, function)
+    return value
+
+
+def old_attribute(package: str, public, name: str):
+    """The root's attribute `name` that only the old paths hold: an old module (imported, so
+    also set on the root, as ``import`` sets it) or an old name of a module (warns); else an
+    AttributeError."""
+    if name in MOVED:
+        return importlib.import_module(f"{package}.{name}")
+    if name in OLD_NAMES:
+        parent, _, leaf = OLD_NAMES[name].rpartition(".")
+        warnings.warn(f"{package}.{name} is deprecated and goes in {REMOVED_IN}: use "
+                      f"`{_new_import(package, public, parent, leaf)}`", DeprecationWarning, stacklevel=3)
+        return importlib.import_module(f"{package}.{OLD_NAMES[name]}")
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
 def install(package: str, public) -> None:
     """Let the old modules of `package` be imported (`public`: the names its root exports):
-    a finder that makes each on its first import, nothing made before."""
+    a finder that makes each on its first import, nothing made or imported before."""
     if not any(isinstance(f, _OldPaths) and f.package == package for f in sys.meta_path):
         sys.meta_path.append(_OldPaths(package, public))
-    from .model.drafter import DFlashDrafter
-
-    DFlashDrafter.as_assistant = _as_assistant

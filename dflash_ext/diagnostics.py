@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import re
 import sys
 
 import torch
@@ -33,6 +34,14 @@ def _version(dist: str):
         return None
 
 
+def _package_version() -> str:
+    """dflash_ext's version as the build reads it (pyproject.toml): the literal of the
+    ``__version__`` line of the package's __init__.py, read from its text (no module imports
+    the package root)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py")) as f:
+        return re.search(r"^__version__ = \"([^\"]+)\"", f.read(), re.M).group(1)
+
+
 def _cuda() -> dict:
     from . import _C
 
@@ -42,7 +51,7 @@ def _cuda() -> dict:
     if out["available"]:
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
-            arch = _C._cuda_plan("kernel_arch", major, minor)  # this build's choice (ops_cuda.cpp)
+            arch = _C._cuda_plan("kernel_arch", major, minor)  # this build's choice (kernel_arch_for, cuda/plans.h)
             runs = {0: None, 80: "sm80", 90: "sm90a", 100: "sm100"}[arch]
             if runs == "sm80" and major != 8:
                 runs = "sm80 (its PTX, JIT-compiled by the driver)"
@@ -85,8 +94,10 @@ def _defaults() -> dict:
 
 
 def info() -> dict:
-    """The report as a dict (see the module doc)."""
-    from . import __version__, _C
+    """What a bug report needs, as a dict (``dflash_ext.info()``; ``python -m dflash_ext info``
+    prints it): versions, the CUDA architectures compiled in and whether they run here, the
+    CPU ISA and each op's path, the default target and drafter found."""
+    from . import _C
     from .draft.assistant import SUPPORTED_TRANSFORMERS
 
     lo, hi = SUPPORTED_TRANSFORMERS
@@ -94,7 +105,7 @@ def info() -> dict:
     env = {k: os.environ[k] for k in ("DFLASH_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "DFLASH_CACHE",
                                       "CUDA_VISIBLE_DEVICES") if k in os.environ}
     return {
-        "dflash_ext": {"version": __version__, "location": os.path.dirname(os.path.abspath(__file__)),
+        "dflash_ext": {"version": _package_version(), "location": os.path.dirname(os.path.abspath(__file__)),
                        "extension": os.path.basename(_C.__file__)},
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": {"version": torch.__version__, "extension_built_against": built},

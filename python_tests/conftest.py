@@ -24,14 +24,14 @@ def many_threads():
     torch.set_num_threads(prev)
 
 
-@pytest.fixture(params=dflash_ext.hardware.ISA_LEVELS)
+@pytest.fixture(params=dflash_ext.ops.hardware.ISA_LEVELS)
 def cpu_isa_level(request):
     """Each ISA level of the CPU kernels' dispatch in turn (forced, as DFLASH_CPU_ISA would);
     levels above this CPU's are skipped."""
     level = request.param
-    detected = dflash_ext.hardware.cpu_isa()["detected"]
-    levels = dflash_ext.hardware.ISA_LEVELS
+    detected = dflash_ext.ops.hardware.cpu_isa()["detected"]
+    levels = dflash_ext.ops.hardware.ISA_LEVELS
     if levels.index(level) > levels.index(detected):
         pytest.skip(f"this CPU's highest ISA level is {detected}")
-    with dflash_ext.hardware.forced_cpu_isa(level):
+    with dflash_ext.ops.hardware.forced_cpu_isa(level):
         yield level

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import AttentionInputs, InjectInputs
 
 HAS_CUDA = torch.cuda.is_available()

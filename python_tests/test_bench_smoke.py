@@ -3,7 +3,7 @@ bench.rollback and bench.training.learning_curve: each runs (``python -m bench.<
 root) with options even smaller than --quick, and the JSON it writes is checked (fields and
 sanity, not the timings). bench_ops's CUDA-only columns (bytes moved, copy bandwidth, SDPA)
 are checked on CPU through its pure helpers and a run with them forced on; its --isa levels
-through a faked dflash_ext.hardware ISA API."""
+through a faked dflash_ext.ops.hardware ISA API."""
 import importlib.util
 import json
 import os
@@ -169,7 +169,7 @@ def test_sdpa_problem_matches_reference(gqa):
     import torch
 
     from bench import baselines
-    from dflash_ext import reference
+    from dflash_ext.ops import reference
     gen = torch.Generator().manual_seed(0)
     Bsz, Bq, Hq, Hkv, D, n = 3, 4, 6, 2, 8, 5
     q = torch.randn(Bsz, Bq, Hq, D, generator=gen)
@@ -219,7 +219,7 @@ def test_bench_ops_isa_levels(tmp_path, capsys, monkeypatch):
     """--isa all: one run per level up to the detected one, inside forced_cpu_isa, with the
     level and the path of each op in every row (the hardware API is faked here)."""
     import contextlib
-    from dflash_ext import hardware
+    from dflash_ext.ops import hardware
     bo = _bench_ops()
     state = dict(level="avx512", forced=[])
 

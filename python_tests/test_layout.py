@@ -4,6 +4,9 @@
   function) only the modules listed before it in ORDER; the subpackages and top-level
   modules sit in ORDER in the order of LAYERS, so no module imports a layer above its own,
   and there is no import cycle;
+- the root (dflash_ext/__init__.py) is the top: it exports the layers' names (defining none
+  itself) and no module imports a name of it, only its modules (``from .. import ops``) and
+  the compiled extension ``_C`` (csrc/, below every module);
 - at most MAX_TOP_LEVEL modules at the package's top level besides __init__, __main__ and
   the private _deprecated (the old paths, one release), at least MIN_SUBPACKAGES subpackages;
 - one path per name: no module imports a name from another module of the package without
@@ -75,6 +78,7 @@ ORDER = [
     "_deprecated",       # the old paths, one release
     "__main__",
 ]
+COMPILED = ("_C",)  # the compiled extension (csrc/): below every module, it imports nothing of the package
 MAX_TOP_LEVEL = 4
 MIN_SUBPACKAGES = 6
 MAX_PRIVATE_IMPORTS = 3
@@ -108,9 +112,9 @@ def _tree(module: str) -> ast.Module:
 
 def _import_froms(module: str):
     """(node, the package module it imports from: "" for the root) of each `from ... import`
-    of the package in `module`, relative or absolute, anywhere in the file."""
+    of the package in `module` ("__init__": the root), relative or absolute, anywhere in the file."""
     is_package = _path(module).endswith("__init__.py")
-    package = module.split(".") if is_package else module.split(".")[:-1]
+    package = [] if module == "__init__" else module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(_tree(module)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -156,6 +160,40 @@ def test_no_subpackage_imports_a_layer_above_its_own():
     up = {m: sorted(i for i in set(_imports(m)) if LAYERS.index(_layer(i)) > LAYERS.index(_layer(m)))
           for m in _modules()}
     assert {m: i for m, i in up.items() if i} == {}
+
+
+def _root_names(module: str):
+    """The names `module` imports from the package root that are not its modules: the root's
+    own (its exports, its version), an arrow up to the top."""
+    for node, base in _import_froms(module):
+        if base == "":
+            yield from (a.name for a in node.names if a.name not in ORDER and a.name not in COMPILED)
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name == "dflash_ext")
+
+
+def test_no_module_imports_a_name_of_the_root():
+    assert {m: sorted(set(_root_names(m))) for m in _modules() if any(_root_names(m))} == {}
+
+
+def test_the_root_exports_and_defines_nothing_itself():
+    """Its imports name modules (the ops at import, each lazy name's module on first use); it
+    defines only the module hooks that load them: it imports down only, into every layer."""
+    defined = sorted(n.name for n in _tree("__init__").body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    assert defined == ["__dir__", "__getattr__"]
+    assert list(_root_names("__init__")) == []
+    assert all(base in ORDER for _, base in _import_froms("__init__") if base)
+    assert set(dflash_ext._LAZY.values()) <= set(ORDER)
+
+
+def test_the_root_rule_sees_the_root_s_names(tmp_path, monkeypatch):  # the parser above finds what it must forbid
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "a.py").write_text("from . import __version__, _C, b\nimport dflash_ext\n"
+                                   "def f():\n    from dflash_ext import info\n")
+    monkeypatch.setitem(globals(), "PACKAGE", str(tmp_path))
+    monkeypatch.setitem(globals(), "ORDER", ["a", "b"])
+    assert sorted(_root_names("a")) == ["__version__", "dflash_ext", "info"]
 
 
 def test_every_import_of_the_package_names_one_of_its_modules():

@@ -89,7 +89,7 @@ def test_info_reports_the_build_and_this_machine(capsys):
     assert report["cuda"]["compiled_archs"] == expected_archs  # what this build compiled, from the extension
     assert report["dflash_ext"]["version"] == dflash_ext.__version__
     assert report["torch"]["version"] == torch.__version__
-    assert report["cpu"]["isa_detected"] in dflash_ext.hardware.ISA_LEVELS
+    assert report["cpu"]["isa_detected"] in dflash_ext.ops.hardware.ISA_LEVELS
     decode = next(iter(report["cpu"]["paths"].values()))
     assert set(decode["float32"]) == {"project_features", "inject_context_kv", "skinny_linear", "block_attention"}
     assert report["defaults"]["drafter"] == {"path": pretrained.default_drafter_path(), "found": True}

@@ -1,4 +1,4 @@
-// CPU kernels of the draft layer's norms (specs: dflash_ext.reference.rms_norm, qk_norm_rope):
+// CPU kernels of the draft layer's norms (specs: dflash_ext.ops.reference.rms_norm, qk_norm_rope):
 //   rms_norm      out = x * rsqrt(mean(x^2) + eps) * weight, per row of H
 //   add_rms_norm  s = x + residual (rounded to the dtype, as a separate add), then rms_norm(s)
 //   qk_norm_rope  each q and k head of a stacked q/k/v row RMS-normed over D, then RoPE-rotated

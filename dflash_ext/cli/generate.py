@@ -118,10 +118,10 @@ def _check_static_cache(model, max_cache_len: int) -> None:
     not fit in memory: transformers allocates a cache's layers on their first update, so
     this probe costs nothing."""
     from ..decode.rollback import CacheRollback
-    from ..decode.runner import static_cache
+    from ..decode.runner import make_static_cache
 
     try:
-        CacheRollback(static_cache(model, max_cache_len), 1)
+        CacheRollback(make_static_cache(model, max_cache_len), 1)
     except NotImplementedError as e:
         raise UsageError(f"argument --static-cache: {e}") from None
     except ValueError as e:

@@ -176,7 +176,7 @@ def _block_size_steps(target, drafter, context_len: int, candidates, static_cach
     context = torch.randint(0, vocab, (batch_size, context_len), device=runner.device)
     # The verified tokens follow the context (a prompt may be shorter than the block).
     block = torch.randint(0, vocab, (batch_size, trained), device=runner.device)
-    cache = runner_module.static_cache(target, static_cache_len or context_len + trained) if static_cache else None
+    cache = runner_module.make_static_cache(target, static_cache_len or context_len + trained) if static_cache else None
     _, feats, cache = runner(context, cache)
     rollback = CacheRollback(cache, max(sizes))
     proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1, batch_size=batch_size)

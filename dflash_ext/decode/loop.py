@@ -102,7 +102,7 @@ def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, 
                                         static_cache)
         runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
-        cache = runner_module.static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
+        cache = runner_module.make_static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
             if static_cache else None
         out = RowOutput(ids, B, max_new_tokens, stop_token_ids, on_tokens, streamer)
         res = out.res
@@ -282,7 +282,7 @@ def _target_generate_one(target, ids: torch.Tensor, max_new_tokens: int, samplin
     already as the caller streams them)."""
     runner = TargetRunner(target, compiled_sizes=(1,) if static_cache else ())
     out = RowOutput(ids, 1, max_new_tokens, stop_token_ids, on_tokens, streamer)
-    cache = runner_module.static_cache(target, ids.shape[1] + max_new_tokens) if static_cache else None
+    cache = runner_module.make_static_cache(target, ids.shape[1] + max_new_tokens) if static_cache else None
     done = False
     while not done:
         logits, _, cache = runner(ids, cache, hidden_states=False, last_logits_only=True)

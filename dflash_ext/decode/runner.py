@@ -3,7 +3,7 @@
 - :class:`TargetRunner`: one forward as the loop calls it (the cache argument's name,
   last-position logits for a prefill, only the hidden states the drafter reads; on the CPU,
   grouped K/V heads passed to SDPA as they are, not repeated per query head);
-- :func:`static_cache` / :func:`compiled_call`: the static cache and the compiled passes
+- :func:`make_static_cache` / :func:`compiled_call`: the static cache and the compiled passes
   over it (CUDA graphs through ``torch.compile``; the target itself off CUDA).
 
 The rollback of every cache kind is :mod:`.rollback`; which kernel runs the target's linear
@@ -17,7 +17,7 @@ import torch
 
 from .rollback import CacheRollback, drop_tail
 
-__all__ = ["TargetRunner", "vocab_size", "cache_kwarg", "returned_cache", "static_cache", "compiled_call"]
+__all__ = ["TargetRunner", "vocab_size", "cache_kwarg", "returned_cache", "make_static_cache", "compiled_call"]
 
 
 def cache_kwarg(model) -> str:
@@ -105,7 +105,7 @@ class TargetRunner:
         return out.logits, hs, returned_cache(out)
 
 
-def static_cache(target, max_cache_len: int):
+def make_static_cache(target, max_cache_len: int):
     """An empty transformers StaticCache for `target` (its text config: the layer kinds,
     windows and head widths) holding up to `max_cache_len` tokens: prompt, answer and the
     rejected rows of the last verify pass. Its shapes never change, so a pass over it can be

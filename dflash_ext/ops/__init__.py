@@ -39,7 +39,7 @@ def wants_grad(*tensors) -> bool:
 def _inference_only(name: str, *tensors) -> None:
     if wants_grad(*tensors):
         raise RuntimeError(f"dflash_ext.ops.{name} has no backward (inference only): call it under torch.no_grad() / "
-                           f"torch.inference_mode(), or use dflash_ext.reference.{name} for gradients")
+                           f"torch.inference_mode(), or use dflash_ext.ops.reference.{name} for gradients")
 
 
 def _check_one_device(**tensors):
@@ -239,7 +239,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
 
     With ``residual`` (x's shape): the add + norm of a pre-norm residual stream in one pass,
     ``s = x + residual`` rounded to the dtype (as a separate add), returns ``(s, rms_norm(s))``.
-    Spec: dflash_ext.reference.rms_norm with ``compute_dtype=torch.float32``.
+    Spec: dflash_ext.ops.reference.rms_norm with ``compute_dtype=torch.float32``.
     """
     _inference_only("rms_norm", x, weight, residual)
     if residual is None:
@@ -266,7 +266,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: 
     (q heads, k heads, v heads; rows may be strided): each head RMS-normed over D (norm weights
     ``[D]``), then rotated (rotate_half RoPE) at ``cos, sin [M, D]``, the table rows of each
     token's position. Returns ``(q [M, Hq, D], k [M, Hkv, D])`` in qkv's dtype (fp32 math);
-    v is the view ``qkv[:, (Hq + Hkv) * D:]``. Spec: dflash_ext.reference.qk_norm_rope.
+    v is the view ``qkv[:, (Hq + Hkv) * D:]``. Spec: dflash_ext.ops.reference.qk_norm_rope.
     """
     _inference_only("qk_norm_rope", qkv, q_norm_weight, k_norm_weight, cos, sin)
     return _ops.qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, _int("num_q_heads", num_q_heads),

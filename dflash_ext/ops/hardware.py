@@ -124,8 +124,6 @@ def load_extension():
     known to run it and oneDNN's cap is set, and read DFLASH_CPU_ISA now (a bad value is an
     error at import, not at a call). A missing or mismatched build is an ImportError that
     says what to do."""
-    from .. import __version__
-
     require_cpu_features()
     cap_onednn_isa_from_env()
     try:
@@ -136,7 +134,8 @@ def load_extension():
         raise ImportError("dflash_ext's compiled extension is not built here: ./run.sh builds it, or "
                           "pip install --no-build-isolation -e . (docs/build.md)") from e
     except ImportError as e:  # most often a torch other than the one the extension was built with
-        raise ImportError(f"dflash_ext {__version__}: its compiled extension failed to load with torch "
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        raise ImportError(f"dflash_ext at {package}: its compiled extension failed to load with torch "
                           f"{torch.__version__} ({e}). It loads only with the torch minor version it was built "
                           "against (the package's torch requirement, e.g. pip show dflash_ext): install that "
                           "torch, or rebuild against this one (pip install --no-build-isolation .)") from e

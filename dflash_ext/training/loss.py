@@ -1,6 +1,7 @@
 """The training loss of one sequence (:func:`sequence_loss`: weighted cross-entropy of its
 blocks, DFlash2's selector term), its parts (the frozen target's embedding and LM head, the
-label weights, the loss vocabulary) and the acceptance it implies (:func:`tau_of`)."""
+label weights, the loss vocabulary) and the acceptance it implies (:func:`tau_of`; at the
+loop's anchors :func:`walked_acceptance`; under rejection sampling :func:`sampled_acceptance`)."""
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -37,7 +38,7 @@ class BlockLogits(NamedTuple):
 def block_logits(drafter, frozen: FrozenTargetParts, input_ids: torch.Tensor, features: torch.Tensor,
                  anchors: torch.Tensor, block_size: int, vocab: Optional["LossVocab"] = None) -> BlockLogits:
     """The drafter's logits for every slot of the blocks of one sequence (the training forward,
-    :class:`~dflash_ext.drafter.DFlashDrafter`'s ``forward``, then the frozen LM head)."""
+    :class:`~dflash_ext.model.drafter.DFlashDrafter`'s ``forward``, then the frozen LM head)."""
     core = getattr(drafter, "module", drafter)  # unwrap DDP
     block_ids = torch.full((anchors.numel(), block_size), core.config.mask_token_id, dtype=torch.long,
                            device=input_ids.device)

@@ -10,7 +10,7 @@ import torch
 from dflash_ext import DFlashDrafter, choose_block_size, spec_generate, target_generate
 from dflash_ext.decode import runner as target_module
 from dflash_ext.decode.rollback import CacheRollback
-from dflash_ext.decode.runner import TargetRunner, cache_kwarg, compiled_call, static_cache
+from dflash_ext.decode.runner import TargetRunner, cache_kwarg, compiled_call, make_static_cache
 from python_tests.decode.test_target_families import (NEW_TOKENS, PROMPTS, chi2_goodness_of_fit,
                                                          exact_first_tokens, hf_greedy)
 from dflash_ext.testing.oracle import OracleProposer
@@ -42,7 +42,7 @@ def test_the_static_rollback_lowers_the_length_and_the_next_pass_overwrites():
     target = tiny_target("qwen3")
     runner = TargetRunner(target)
     prompt = torch.tensor([PROMPTS[1]])
-    _, _, cache = runner(prompt, static_cache(target, 32), hidden_states=False)
+    _, _, cache = runner(prompt, make_static_cache(target, 32), hidden_states=False)
     rollback = CacheRollback(cache, 4)
     assert not rollback.records and int(cache.get_seq_length()) == prompt.shape[1]
     runner(torch.tensor([[7, 8, 9, 10]]), cache, hidden_states=False, rollback=rollback)
@@ -99,7 +99,7 @@ def test_a_static_cache_is_refused_with_the_bytes_it_would_allocate(family, monk
     import dflash_ext.ops.hardware
 
     target = tiny_family_target(family)
-    cache = static_cache(target, 40)
+    cache = make_static_cache(target, 40)
     with torch.no_grad():
         target(input_ids=torch.tensor([PROMPTS[0]]), use_cache=True, **{cache_kwarg(target): cache})
     allocated = sum(getattr(layer, name).nbytes for layer in cache.layers for name in ("keys", "values")
@@ -107,9 +107,9 @@ def test_a_static_cache_is_refused_with_the_bytes_it_would_allocate(family, monk
     monkeypatch.setattr(dflash_ext.ops.hardware, "available_memory", lambda device: allocated - 1)
     with pytest.raises(ValueError, match=rf"static cache of 40 tokens .* would take {allocated} bytes .*"
                                          rf"{allocated - 1} bytes .* available .*max_new_tokens"):
-        static_cache(target, 40)
+        make_static_cache(target, 40)
     monkeypatch.setattr(dflash_ext.ops.hardware, "available_memory", lambda device: allocated)
-    static_cache(target, 40)
+    make_static_cache(target, 40)
 
 
 def test_a_static_cache_past_the_memory_is_refused_before_allocating():
@@ -129,7 +129,7 @@ def test_a_static_cache_past_the_memory_is_refused_before_allocating():
     assert len(spec_generate(target, drafter, PROMPTS[0], 20, static_cache=True).tokens) == 20
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="max_cache_len must be an int >= 1"):
-            static_cache(target, bad)
+            make_static_cache(target, bad)
 
 
 def test_auto_block_size_on_a_static_cache():
@@ -166,7 +166,7 @@ def test_compiling_is_a_no_op_off_cuda():
     target = tiny_target("llama")
     assert compiled_call(target) is target
     runner = TargetRunner(target, compiled_sizes=(4,))
-    assert not runner.compiles and runner._forward(4, static_cache(target, 16)) is target
+    assert not runner.compiles and runner._forward(4, make_static_cache(target, 16)) is target
 
 
 class CountingCall:
@@ -220,8 +220,9 @@ def test_compiled_auto_block_size_times_powers_of_two_on_the_generation_s_cache(
     monkeypatch.setattr(target_module, "compiled_call", lambda model: CountingCall(model))
     monkeypatch.setattr(autotune, "interleaved_median_seconds",  # B = 8: no noise
                         lambda fns, reps=5, warmup=0, around=None: {b: (fn(), 1e-3)[1] for b, fn in fns.items()})
-    lengths, real = [], target_module.static_cache
-    monkeypatch.setattr(target_module, "static_cache", lambda model, rows: (lengths.append(rows), real(model, rows))[1])
+    lengths, real = [], target_module.make_static_cache
+    monkeypatch.setattr(target_module, "make_static_cache",
+                        lambda model, rows: (lengths.append(rows), real(model, rows))[1])
     assert set(choose_block_size(target, drafter, 12, static_cache=True).step_seconds) == {1, 2, 4, 8}
     prompt = PROMPTS[1]
     out = spec_generate(target, drafter, prompt, 20, block_size="auto", static_cache=True)

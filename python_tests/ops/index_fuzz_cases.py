@@ -12,7 +12,7 @@ import sys
 import torch
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 
 I64_MAX, I64_MIN = 2 ** 63 - 1, -2 ** 63
 

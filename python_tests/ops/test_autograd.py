@@ -42,7 +42,7 @@ def test_an_op_asked_for_a_gradient_raises(name, label):
     dict(_float_tensors(args))[label].requires_grad_(True)
     op = getattr(dflash_ext.ops, name)
     message = (f"dflash_ext.ops.{name} has no backward (inference only): call it under torch.no_grad() / "
-               f"torch.inference_mode(), or use dflash_ext.reference.{name} for gradients")
+               f"torch.inference_mode(), or use dflash_ext.ops.reference.{name} for gradients")
     with pytest.raises(RuntimeError, match=re.escape(message)):
         op(*args)
     with torch.no_grad():  # the same inputs, no gradient asked for: the op runs

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import make_attention_inputs
 
 from python_tests.helpers import DEVICES, DTYPES, HAS_CUDA, assert_close, check_attention

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import make_gen, randn
 
 from python_tests.helpers import DEVICES, DTYPES, assert_close, check_op
@@ -223,7 +223,7 @@ def test_asked_for_a_gradient_raises(grad_arg):
     args = make_conv_inputs(M_, B_, H_, T_, G_, seed=18)
     args[grad_arg].requires_grad_(True)
     message = ("dflash_ext.ops.block_conv has no backward (inference only): call it under torch.no_grad() / "
-               "torch.inference_mode(), or use dflash_ext.reference.block_conv for gradients")
+               "torch.inference_mode(), or use dflash_ext.ops.reference.block_conv for gradients")
     with pytest.raises(RuntimeError, match=re.escape(message)):
         dflash_ext.ops.block_conv(*args)
     with torch.no_grad():

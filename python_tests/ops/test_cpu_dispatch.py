@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext import hardware
+from dflash_ext.ops import hardware
 
 LEVELS = hardware.ISA_LEVELS
 DETECTED = hardware.cpu_isa()["detected"]
@@ -86,7 +86,8 @@ def test_paths_follow_the_level(cpu_isa_level):
 
 def _import_with_env(value):
     env = dict(os.environ, DFLASH_CPU_ISA=value, OMP_NUM_THREADS="1")
-    code = "import dflash_ext, os; print(dflash_ext.hardware.cpu_isa()['active'], os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    code = ("import dflash_ext, os; "
+            "print(dflash_ext.ops.hardware.cpu_isa()['active'], os.environ.get('ONEDNN_MAX_CPU_ISA'))")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

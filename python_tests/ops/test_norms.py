@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import make_gen, norm_weight, randn
 
 from python_tests.helpers import DEVICES, DTYPES, assert_close
@@ -298,6 +298,6 @@ def test_asked_for_a_gradient_raises():
                            *make_qkv_inputs(3, 4, 2, 8, seed=14)[:1], weight[:8], weight[:8],
                            *make_qkv_inputs(3, 4, 2, 8, seed=14)[3:], 4, 2))):
         message = (f"dflash_ext.ops.{name} has no backward (inference only): call it under torch.no_grad() / "
-                   f"torch.inference_mode(), or use dflash_ext.reference.{name} for gradients")
+                   f"torch.inference_mode(), or use dflash_ext.ops.reference.{name} for gradients")
         with pytest.raises(RuntimeError, match=re.escape(message)):
             call()

@@ -3,7 +3,7 @@ compute the specified function: in fp32 they match the specification itself."""
 import torch
 
 from bench import baselines
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import make_attention_inputs, make_inject_inputs, make_project_inputs
 
 from python_tests.helpers import assert_close

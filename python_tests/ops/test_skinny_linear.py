@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import dflash_ext
-from dflash_ext import reference, streamed_linears
+from dflash_ext import streamed_linears
+from dflash_ext.ops import reference
 from dflash_ext.ops.linear import linear_rows, skinny_linear_streams
 from dflash_ext.testing.inputs import make_linear_inputs
 
@@ -83,7 +84,7 @@ def test_every_level_and_row_count(cpu_isa_level, dtype, N, K):
 def test_stream_rows_by_level(cpu_isa_level):
     """bf16 on bf16 units and fp32 on AVX-512 stream 1..16 rows whatever the weight (the dot
     kernel); fp32 on AVX2, and bf16 below avx512_bf16, 1..8 rows where the GEMM rule says tiles."""
-    from dflash_ext import hardware
+    from dflash_ext.ops import hardware
     level = hardware.ISA_LEVELS.index(cpu_isa_level)
     units, avx512 = level >= hardware.ISA_LEVELS.index("avx512_bf16"), level >= hardware.ISA_LEVELS.index("avx512")
     for rows in (1, 8, 9, 16, 17):
@@ -102,7 +103,7 @@ def test_a_row_does_not_depend_on_its_call(cpu_isa_level):
     AVX2 streaming kernel below (what an exact verify that streams its linear layers relies
     on: docs/decoding.md). Columns 0 and 16 carry +-2^18, which cancel only if summed before
     the rest: another summation order moves most outputs by more than a bf16 step."""
-    from dflash_ext import hardware
+    from dflash_ext.ops import hardware
     level = hardware.ISA_LEVELS.index(cpu_isa_level)
     units, avx512 = level >= hardware.ISA_LEVELS.index("avx512_bf16"), level >= hardware.ISA_LEVELS.index("avx512")
     cases = [(torch.float32, [range(1, 3), range(3, 17)] if avx512 else [range(1, 5)]),
@@ -194,7 +195,7 @@ def test_streamed_linears_leave_other_dtypes_to_f_linear():
 
 def test_stream_rule_matches_the_paths():
     """ops.linear.skinny_linear_streams and hardware.cpu_paths read the one rule of csrc/cpu/isa.h."""
-    from dflash_ext import hardware
+    from dflash_ext.ops import hardware
     w = torch.randn(16, 32)
     avx512 = hardware.ISA_LEVELS.index(hardware.cpu_isa()["active"]) >= hardware.ISA_LEVELS.index("avx512")
     for rows in (1, 8, 9, 16, 17):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import make_attention_inputs, make_inject_inputs
 
 from python_tests.helpers import DEVICES, HAS_CUDA, same_or_both_nan

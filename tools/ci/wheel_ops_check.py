@@ -6,7 +6,8 @@ import sys
 import torch
 
 import dflash_ext
-from dflash_ext import hardware, ops, reference
+from dflash_ext import ops
+from dflash_ext.ops import hardware, reference
 from dflash_ext.testing import inputs
 
 

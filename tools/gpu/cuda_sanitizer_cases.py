@@ -21,7 +21,7 @@ import sys
 import torch
 
 import dflash_ext
-from dflash_ext import reference
+from dflash_ext.ops import reference
 from dflash_ext.testing.inputs import make_attention_inputs, make_inject_inputs, make_project_inputs
 
 QUICK = "--quick" in sys.argv[1:]  # bf16 and the first two shapes of each op (racecheck is slow)

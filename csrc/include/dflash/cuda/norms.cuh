@@ -1,4 +1,4 @@
-// The draft layer's norms on CUDA (specs: dflash_ext.reference.rms_norm, qk_norm_rope).
+// The draft layer's norms on CUDA (specs: dflash_ext.ops.reference.rms_norm, qk_norm_rope).
 // Bound by memory and small (a draft step's rows), so plain SIMT kernels, fp32 math, one
 // cast at each store. Rows are read and written in 16-byte accesses (8 bf16 / fp16 or 4 fp32
 // elements) when the host found every pointer 16-byte aligned and every row a whole number of
