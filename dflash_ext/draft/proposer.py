@@ -3,17 +3,19 @@ to one target through a :class:`~.runtime.DraftRuntime` that holds the target's 
 embedding and LM head: it takes the target's hidden states of the accepted tokens
 (:meth:`~DFlashProposer.accept`) and drafts the next block (:meth:`~DFlashProposer.propose`).
 Any object with these two methods is a proposer to the loop (:class:`Proposer`;
-:class:`~dflash_ext.testing.oracle.OracleProposer` is another)."""
+:class:`~dflash_ext.testing.oracle.OracleProposer` is another). :func:`proposer_for` picks the
+proposer of a drafter's format (a DeepSpec one: :class:`~.dspark.DSparkProposer`)."""
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
 from ..sampling import Sampling
 
+from .dspark import DSparkProposer
 from .head import block_embedding
 from .runtime import DraftRuntime
 
-__all__ = ["Proposer", "DFlashProposer"]
+__all__ = ["Proposer", "DFlashProposer", "proposer_for"]
 
 
 @runtime_checkable
@@ -120,3 +122,21 @@ class DFlashProposer:
             raise RuntimeError(f"a block at position {position} of {width + 1} tokens runs past the "
                                f"{self.position_limit} positions this proposer was made for")
         return width
+
+
+def proposer_for(drafter, target, capacity: int, fused: bool = True, draft_window=None, cuda_graph=None,
+                 initial_capacity=None, batch_size: int = 1, sampling: Optional[Sampling] = None):
+    """The proposer of `drafter` against `target` (:class:`DFlashProposer`'s arguments): a
+    DeepSpec-format drafter (DSpark, DeepSpec-DFlash) drafts through a
+    :class:`~.dspark.DSparkProposer` (plain PyTorch: `fused`, `cuda_graph` and
+    `initial_capacity` do not apply; a `draft_window` is a NotImplementedError), any other
+    through a :class:`DFlashProposer`."""
+    if not drafter.config.is_deepspec:
+        return DFlashProposer(drafter, target, capacity, fused=fused, draft_window=draft_window,
+                              cuda_graph=cuda_graph, initial_capacity=initial_capacity, batch_size=batch_size,
+                              sampling=sampling)
+    if draft_window is not None:
+        raise NotImplementedError(f"draft_window={draft_window}: a DSpark / DeepSpec-format drafter "
+                                  f"({drafter.config.deepspec_architecture}) drafts over its whole context "
+                                  "(DSparkProposer has no draft window)")
+    return DSparkProposer(drafter, target, capacity, sampling=sampling, batch_size=batch_size)
