@@ -183,6 +183,24 @@ def test_a_batch_is_decoded_as_its_prompts_alone():
     assert [r.tokens for r in listed] == alone
 
 
+@pytest.mark.xfail(raises=NotImplementedError, strict=True,
+                   reason="decode/loop.py's _proposer builds a DFlashProposer (which refuses DeepSpec drafters) until "
+                          "it calls draft.proposer.proposer_for; then remove this mark and "
+                          "test_dspark_guard's spec_generate refusal")
+def test_spec_generate_takes_a_deepspec_drafter():
+    """spec_generate(target, <DeepSpec DFlashDrafter>): the loop's own proposer for it, one prompt and a batch."""
+    target = tiny_family_target("qwen3")
+    drafter = dspark_for(target, "rnn")
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    alone = [target_generate(target, p, NEW_TOKENS).tokens for p in prompts]
+    assert spec_generate(target, drafter, prompts[0], NEW_TOKENS).tokens == alone[0]
+    assert spec_generate(target, drafter, prompts[0], NEW_TOKENS, block_size=BLOCK + 1).tokens == alone[0]
+    assert [r.tokens for r in spec_generate(target, drafter, prompts, NEW_TOKENS)] == alone
+    sampled = spec_generate(target, drafter, prompts[0], NEW_TOKENS, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0))
+    assert len(sampled.tokens) == NEW_TOKENS
+
+
 # ------------------------------------------------------------------ lossless: T > 0
 
 VOCAB, K = 3, 3
