@@ -154,7 +154,8 @@ class DSparkProposer:
             if position != self.contexts[s].shape[0]:
                 raise RuntimeError(f"DSparkProposer: sequence {s}'s block is at position {position}, but its context "
                                    f"holds {self.contexts[s].shape[0]} tokens (accept the tokens before it first)")
-        hidden = torch.stack([dspark_block_hidden(self.drafter, self.contexts[s], t) for s, t in zip(seqs, last_tokens)])
+        hidden = torch.stack([dspark_block_hidden(self.drafter, self.contexts[s], t)
+                              for s, t in zip(seqs, last_tokens)])
         probs: List[torch.Tensor] = []
         anchor = torch.tensor([int(t) for t in last_tokens], device=hidden.device)
         tokens, _, _ = markov_walk(self.drafter, hidden, anchor, _chooser(self.sampling, probs), n)

@@ -1,5 +1,5 @@
-"""DSpark's heads and its draft of one block, in plain PyTorch (DeepSpec's format:
-``deepspec/modeling/dspark/`` of deepseek-ai/DeepSpec; DSpark_paper.pdf there).
+"""DSpark's heads, the backbone pass over one block and its Markov walk, in plain PyTorch
+(DeepSpec's format: ``deepspec/modeling/dspark/`` of deepseek-ai/DeepSpec; DSpark_paper.pdf there).
 
 The backbone is DFlash's, over ``[anchor token, MASK x (block_size - 1)]``, with this layout:
 every slot drafts, slot k the token at anchor + k + 1. Two heads follow it:
@@ -101,7 +101,8 @@ def markov_walk(drafter, hidden: torch.Tensor, anchor: torch.Tensor,
     or a draw). Only the n slots go through the LM head."""
     n = hidden.shape[-2] if n is None else n
     if not 1 <= n <= hidden.shape[-2]:
-        raise ValueError(f"a DSpark block of {hidden.shape[-2]} slots drafts 1..{hidden.shape[-2]} tokens, asked for {n}")
+        raise ValueError(f"a DSpark block of {hidden.shape[-2]} slots drafts 1..{hidden.shape[-2]} tokens, "
+                         f"asked for {n}")
     hidden = hidden[..., :n, :]
     base = drafter.lm_head(hidden)
     markov = getattr(drafter, "markov_head", None)
