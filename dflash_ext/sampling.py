@@ -72,6 +72,11 @@ class Sampling:
         """The distribution a token is sampled from, ``[..., V]`` (float32; T > 0)."""
         return process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
 
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One index per row of the distributions ``probs [..., V]`` (:meth:`probs`'), drawn
+        with the generator."""
+        return _sample(probs, self.generator)
+
 
 def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)

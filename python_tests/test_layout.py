@@ -40,7 +40,7 @@ ORDER = [
     "model.checkpoint",  # checkpoint files: resolve, read, write
     "model.layers",      # RMSNorm, Attention, MLP, DecoderLayer, BlockConv, CandidateSelector, rope_tables
     "model.masks",       # context_mask, block_mask, windowed_bidirectional_attention
-    "model.dspark",      # DSpark's Markov and confidence heads, its block drafted in plain PyTorch
+    "model.dspark",      # DSpark's Markov and confidence heads, the block's backbone pass and Markov walk
     "model.drafter",     # DFlashDrafter: weights, load, save, draft vocabulary, the training forward
     "model.pretrained",  # the embedded default target, the shipped drafter's path
     "model.vllm_format",  # the drafter as vLLM's DFlash loader reads it whole (export --for vllm)
@@ -51,6 +51,7 @@ ORDER = [
     "draft.head",        # block_embedding, the draft vocabulary's LM head, draft_tokens
     "draft.graphs",      # CUDA graphs of the draft step
     "draft.runtime",     # DraftRuntime: one generation's drafting
+    "draft.dspark",      # DSpark / DeepSpec-format drafting in plain PyTorch: dspark_draft, DSparkProposer
     "draft.proposer",    # DFlashProposer: the runtime against one target (spec_generate's)
     "draft.assistant",   # DFlashAssistant: the runtime as transformers' assistant_model
     "decode",

@@ -3,7 +3,8 @@ to one target through a :class:`~.runtime.DraftRuntime` that holds the target's 
 embedding and LM head: it takes the target's hidden states of the accepted tokens
 (:meth:`~DFlashProposer.accept`) and drafts the next block (:meth:`~DFlashProposer.propose`).
 Any object with these two methods is a proposer to the loop (:class:`Proposer`;
-:class:`~dflash_ext.testing.oracle.OracleProposer` is another)."""
+:class:`~dflash_ext.testing.oracle.OracleProposer` is another). :func:`proposer_for` picks the
+proposer of a drafter's format (a DeepSpec one: :class:`~.dspark.DSparkProposer`)."""
 import weakref
 from typing import Optional, Protocol, runtime_checkable
 
@@ -11,10 +12,11 @@ import torch
 
 from ..sampling import Draft, Sampling
 
+from .dspark import DSparkProposer
 from .head import block_embedding
 from .runtime import DraftRuntime
 
-__all__ = ["Proposer", "DFlashProposer", "kept_proposer"]
+__all__ = ["Proposer", "DFlashProposer", "proposer_for", "kept_proposer"]
 
 
 @runtime_checkable
@@ -138,6 +140,24 @@ class DFlashProposer:
         return width
 
 
+def proposer_for(drafter, target, capacity: int, fused: bool = True, draft_window=None, cuda_graph=None,
+                 initial_capacity=None, batch_size: int = 1, sampling: Optional[Sampling] = None):
+    """The proposer of `drafter` against `target` (:class:`DFlashProposer`'s arguments): a
+    DeepSpec-format drafter (DSpark, DeepSpec-DFlash) drafts through a
+    :class:`~.dspark.DSparkProposer` (plain PyTorch: `fused`, `cuda_graph` and
+    `initial_capacity` do not apply; a `draft_window` is a NotImplementedError), any other
+    through a :class:`DFlashProposer`."""
+    if not drafter.config.is_deepspec:
+        return DFlashProposer(drafter, target, capacity, fused=fused, draft_window=draft_window,
+                              cuda_graph=cuda_graph, initial_capacity=initial_capacity, batch_size=batch_size,
+                              sampling=sampling)
+    if draft_window is not None:
+        raise NotImplementedError(f"draft_window={draft_window}: a DSpark / DeepSpec-format drafter "
+                                  f"({drafter.config.deepspec_architecture}) drafts over its whole context "
+                                  "(DSparkProposer has no draft window)")
+    return DSparkProposer(drafter, target, capacity, sampling=sampling, batch_size=batch_size)
+
+
 def kept_proposer(drafter, target, capacity: int, initial_capacity: int, fused: bool, draft_window,
                   batch_size: int, sampling: Sampling) -> DFlashProposer:
     """`drafter`'s proposer against `target` for a new generation (:meth:`DFlashProposer.renew`):
@@ -146,7 +166,11 @@ def kept_proposer(drafter, target, capacity: int, initial_capacity: int, fused: 
     per sequence at first), kept in its place. So the loop's generations share one runtime:
     its cache's memory, tables, stacked weights, vocabulary head and captured graphs. One is
     kept per drafter (it holds the last target's block embedding and LM head, and the cache
-    at its largest); the drafter drops it when copied or pickled."""
+    at its largest); the drafter drops it when copied or pickled. A DeepSpec-format drafter's
+    proposer (:func:`proposer_for`: plain PyTorch, nothing made once) is a new one each time."""
+    if drafter.config.is_deepspec:
+        return proposer_for(drafter, target, capacity, fused=fused, draft_window=draft_window, batch_size=batch_size,
+                            sampling=sampling)
     weight = drafter.fc.weight
     key = (weight.device, weight.dtype, batch_size, fused, draft_window)
     kept = drafter.__dict__.get("_kept_proposer")

@@ -28,7 +28,8 @@ def refuse_deepspec(drafter, where: str) -> None:
     if drafter.config.is_deepspec:
         raise NotImplementedError(
             f"{where} does not draft with DSpark / DeepSpec-format drafters ({drafter.config.deepspec_architecture}) "
-            "yet; dflash_ext.model.dspark.dspark_draft drafts one block of them in plain PyTorch")
+            "yet; dflash_ext.draft.dspark.DSparkProposer drafts with them in plain PyTorch (a proposer object for "
+            "spec_generate)")
 
 
 class DraftRuntime:

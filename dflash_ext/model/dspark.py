@@ -1,5 +1,5 @@
-"""DSpark's heads and its draft of one block, in plain PyTorch (DeepSpec's format:
-``deepspec/modeling/dspark/`` of deepseek-ai/DeepSpec; DSpark_paper.pdf there).
+"""DSpark's heads, the backbone pass over one block and its Markov walk, in plain PyTorch
+(DeepSpec's format: ``deepspec/modeling/dspark/`` of deepseek-ai/DeepSpec; DSpark_paper.pdf there).
 
 The backbone is DFlash's, over ``[anchor token, MASK x (block_size - 1)]``, with this layout:
 every slot drafts, slot k the token at anchor + k + 1. Two heads follow it:
@@ -14,18 +14,20 @@ every slot drafts, slot k the token at anchor + k + 1. Two heads follow it:
   (or of h_k alone): DeepSpec keeps a block up to its first slot with c_k below a
   threshold (0: the whole block).
 
-:func:`dspark_draft` drafts one block from the context features (greedy, or sampled with
-q = softmax(corrected logits / T)); the fused draft runtime does not run these drafters yet.
+:func:`dspark_block_hidden` runs the backbone over one block, :func:`markov_walk` drafts its
+slots left to right with a token chooser (the argmax, or a draw: the sampling is
+:mod:`dflash_ext.sampling`'s, one layer up, so the draft itself is
+:func:`dflash_ext.draft.dspark.dspark_draft`), :func:`block_confidence` scores its slots; the
+fused draft runtime does not run these drafters yet.
 """
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from .config import DFlashConfig
 
-__all__ = ["MarkovHead", "ConfidenceHead", "DSparkDraft", "dspark_block_hidden", "dspark_draft"]
+__all__ = ["MarkovHead", "ConfidenceHead", "dspark_block_hidden", "markov_walk", "block_confidence"]
 
 
 class MarkovHead(nn.Module):
@@ -77,19 +79,6 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.proj(x).squeeze(-1).float())
 
 
-@dataclass
-class DSparkDraft:
-    """One drafted block: `tokens` [n] the drafts kept (n <= block_size: the block up to its
-    first slot under the confidence threshold), `q` [n, V] their fp32 draft distributions at
-    T > 0 (None at T = 0), and for every slot of the block `logits` [B, V] (Markov-corrected),
-    `confidence` [B] (None without the head) and `hidden` [B, H]."""
-    tokens: torch.Tensor
-    q: Optional[torch.Tensor]
-    logits: torch.Tensor
-    confidence: Optional[torch.Tensor]
-    hidden: torch.Tensor
-
-
 def dspark_block_hidden(drafter, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
     """[B, H]: the final-normed hidden states of the block [anchor, MASK...] drafted after the
     S context tokens whose target features are `features` [S, k*H] (the anchor at position S,
@@ -102,48 +91,41 @@ def dspark_block_hidden(drafter, features: torch.Tensor, anchor_token: int) -> t
     return drafter(features.to(weight), drafter.embed_tokens(ids), anchors)[0]
 
 
-@torch.no_grad()
-def dspark_draft(drafter, features: torch.Tensor, anchor_token: int, temperature: float = 0.0,
-                 confidence_threshold: float = 0.0, generator: Optional[torch.Generator] = None) -> DSparkDraft:
-    """One block drafted as DeepSpec drafts it, from the target features of the context
-    `features` [S, k*H] and the last accepted token `anchor_token` (at position S): every
-    slot's logits ``lm_head(h_k)`` plus the Markov bias after the token drafted before it,
-    walked left to right from the anchor (argmax at `temperature` 0; else a sample of q =
-    softmax(logits / T) drawn with `generator`), then kept up to the first slot whose
-    confidence is below `confidence_threshold` (0: all of them)."""
-    c = drafter.config
-    if not c.is_deepspec:
-        raise ValueError("dspark_draft needs a drafter in DeepSpec's format (Qwen3DSparkModel); this one is "
-                         f"{'DFlash2' if c.is_dflash2 else 'DFlash'}")
-    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(confidence_threshold, (int, float)) and 0 <= confidence_threshold <= 1):
-        raise ValueError(f"confidence_threshold must be in [0, 1] (0: no truncation), got {confidence_threshold!r}")
-    hidden = dspark_block_hidden(drafter, features, anchor_token)
+def markov_walk(drafter, hidden: torch.Tensor, anchor: torch.Tensor,
+                choose: Callable[[torch.Tensor], torch.Tensor], n: Optional[int] = None) -> tuple:
+    """(tokens [..., n], logits [..., n, V], previous [..., n]) of the first n slots (default:
+    all) of blocks whose final-normed hidden states are `hidden` [..., B, H], drafted after the
+    `anchor` tokens [...]: slot k's logits are ``lm_head(h_k)`` plus the Markov bias after the
+    token before it (`previous`: the anchor, then the token taken at k - 1; no bias without a
+    Markov head), and its token is ``choose(logits [..., V])`` (a token id [...]: the argmax,
+    or a draw). Only the n slots go through the LM head."""
+    n = hidden.shape[-2] if n is None else n
+    if not 1 <= n <= hidden.shape[-2]:
+        raise ValueError(f"a DSpark block of {hidden.shape[-2]} slots drafts 1..{hidden.shape[-2]} tokens, "
+                         f"asked for {n}")
+    hidden = hidden[..., :n, :]
     base = drafter.lm_head(hidden)
     markov = getattr(drafter, "markov_head", None)
-    state = None if markov is None else markov.initial_state(hidden[0])
-    previous = torch.tensor(int(anchor_token), device=hidden.device)
+    state = None if markov is None else markov.initial_state(hidden[..., 0, :])
+    previous = anchor
     tokens, logits, before = [], [], []
-    for k in range(c.block_size):
-        step = base[k]
+    for k in range(n):
+        step = base[..., k, :]
         if markov is not None:
-            state, bias = markov.step(state, previous, hidden[k])
+            state, bias = markov.step(state, previous, hidden[..., k, :])
             step = step + bias
         before.append(previous)
-        if temperature == 0:
-            previous = step.argmax(-1)
-        else:
-            previous = torch.multinomial(torch.softmax(step.float() / temperature, -1), 1, generator=generator)[0]
+        previous = choose(step)
         tokens.append(previous)
         logits.append(step)
-    tokens, logits, before = torch.stack(tokens), torch.stack(logits), torch.stack(before)
-    confidence, kept = None, c.block_size
+    return torch.stack(tokens, -1), torch.stack(logits, -2), torch.stack(before, -1)
+
+
+def block_confidence(drafter, hidden: torch.Tensor, previous: torch.Tensor) -> Optional[torch.Tensor]:
+    """The confidence head's c [..., n] (fp32) of the slots whose hidden states are `hidden`
+    [..., n, H] and whose tokens before them are `previous` [..., n] (:func:`markov_walk`'s);
+    None without the head."""
     head = getattr(drafter, "confidence_head", None)
-    if head is not None:
-        confidence = head(hidden, markov.markov_w1(before) if head.with_markov else None)
-        if confidence_threshold > 0:
-            below = (confidence < confidence_threshold).nonzero()
-            kept = int(below[0, 0]) if below.numel() else c.block_size
-    q = None if temperature == 0 else torch.softmax(logits[:kept].float() / temperature, -1)
-    return DSparkDraft(tokens[:kept], q, logits, confidence, hidden)
+    if head is None:
+        return None
+    return head(hidden, drafter.markov_head.markov_w1(previous) if head.with_markov else None)

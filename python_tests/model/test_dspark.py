@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_ext import DFlashConfig, DFlashDrafter
-from dflash_ext.model.dspark import dspark_draft
+from dflash_ext.draft.dspark import dspark_draft
 from python_tests.model.dspark_reference import (BLOCK, VARIANTS, context_features, deepspec_config, random_tensors,
                                                  reference_block, write_deepspec_checkpoint)
 
