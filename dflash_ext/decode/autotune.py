@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..draft.proposer import DFlashProposer
+from ..draft.proposer import proposer_for
 from ..model.config import target_text_config
 from ..ops.linear import streamed_linears
 from . import runner as runner_module
@@ -179,7 +179,7 @@ def _block_size_steps(target, drafter, context_len: int, candidates, static_cach
     cache = runner_module.make_static_cache(target, static_cache_len or context_len + trained) if static_cache else None
     _, feats, cache = runner(context, cache)
     rollback = CacheRollback(cache, max(sizes))
-    proposer = DFlashProposer(drafter, target, capacity=context_len + trained + 1, batch_size=batch_size)
+    proposer = proposer_for(drafter, target, capacity=context_len + trained + 1, batch_size=batch_size)
     for r in rows:
         proposer.accept(feats, slice(0, context_len), torch.arange(context_len, device=runner.device), seq=r, index=r)
 

@@ -150,14 +150,18 @@ def _drafting(target, drafter, block_size, context_len: int, max_new_tokens: int
 
 def _block_size(target, drafter, block_size, context_len: int, max_new_tokens: int, stream_linears: bool,
                 static_cache: bool, batch_size: int = 1) -> int:
-    """The verify block: `block_size` (an int), the drafter's (None) or "auto" (timed for this batch)."""
+    """The verify block: `block_size` (an int), the drafter's (None: its trained block; a
+    DeepSpec-format drafter's every slot drafts, so one more: its block_size drafts and the
+    target's token) or "auto" (timed for this batch)."""
     trained = drafter.config.block_size
+    if block_size is None:
+        return trained + 1 if drafter.config.is_deepspec else trained
     if block_size == "auto":
         block_size = choose_block_size(target, drafter, context_len, stream_linears=stream_linears,
                                        static_cache=static_cache,
                                        static_cache_len=context_len + max_new_tokens + trained if static_cache else None,
                                        batch_size=batch_size).block_size
-    return trained if block_size is None else block_size
+    return block_size
 
 
 def _check_block_size(block_size, drafter) -> None:

@@ -183,10 +183,6 @@ def test_a_batch_is_decoded_as_its_prompts_alone():
     assert [r.tokens for r in listed] == alone
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                   reason="decode/loop.py's _proposer builds a DFlashProposer (which refuses DeepSpec drafters) until "
-                          "it calls draft.proposer.proposer_for; then remove this mark and "
-                          "test_dspark_guard's spec_generate refusal")
 def test_spec_generate_takes_a_deepspec_drafter():
     """spec_generate(target, <DeepSpec DFlashDrafter>): the loop's own proposer for it, one prompt and a batch."""
     target = tiny_family_target("qwen3")
@@ -199,6 +195,21 @@ def test_spec_generate_takes_a_deepspec_drafter():
     sampled = spec_generate(target, drafter, prompts[0], NEW_TOKENS, temperature=1.0,
                             generator=torch.Generator().manual_seed(0))
     assert len(sampled.tokens) == NEW_TOKENS
+
+
+def test_spec_generate_drafts_every_slot_of_a_deepspec_block_by_default(monkeypatch):
+    """Every slot of a DeepSpec block drafts: the default verify block is block_size + 1 (its
+    BLOCK drafts and the target's token), not block_size as for a z-lab drafter (slot 0 the
+    last token)."""
+    target = tiny_family_target("qwen3")
+    asked, real = [], DSparkProposer.propose_rows
+
+    def spy(self, seqs, last_tokens, positions, n):
+        asked.append(n)
+        return real(self, seqs, last_tokens, positions, n)
+    monkeypatch.setattr(DSparkProposer, "propose_rows", spy)
+    out = spec_generate(target, dspark_for(target, "vanilla"), PROMPTS[0], 40)
+    assert asked and asked[0] == BLOCK and max(out.acceptance_lengths) <= BLOCK + 1
 
 
 # ------------------------------------------------------------------ lossless: T > 0
