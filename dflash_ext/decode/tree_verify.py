@@ -37,6 +37,14 @@ __all__ = ["check_tree_target", "check_tree_cache", "tree_inputs", "verify_tree"
 # Attention implementations that read an explicit 4-D mask as given.
 MASKED_ATTENTION = ("sdpa", "eager")
 
+# Why a cache layer kind (a substring of its class name) cannot hold a tree pass.
+_WHY_NOT = {
+    "Sliding": "a sliding window builds its own mask and drops its oldest columns by count, siblings counted",
+    "LinearAttention": "a linear-attention state folds in every token of the pass in order, siblings too",
+    "Indexed": "DSA's indexer picks each query's keys by its own scores and mask",
+    "Static": "a static cache's buffer (decode trees on the dynamic cache)",
+}
+
 
 def check_tree_target(target) -> None:
     """A NotImplementedError naming the family (and what it holds) where a tree cannot be
@@ -51,10 +59,11 @@ def check_tree_target(target) -> None:
     layers = DynamicCache(config=config).layers
     others = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
     if others:
+        why = [reason for key, reason in _WHY_NOT.items() if any(key in kind for kind in others)]
         raise NotImplementedError(
-            f"tree verification on a {family} target: its cache holds {', '.join(others)} layers (a sliding window "
-            "builds its own mask and drops columns by count, a linear-attention state folds in every token of the "
-            "pass, siblings too); it verifies chains only (spec_generate)")
+            f"tree verification on a {family} target: its cache holds {', '.join(others)} layers, not full attention "
+            f"only ({'; '.join(why) or 'a layer kind whose mask or cache a tree pass cannot steer'}); it verifies "
+            "chains only (spec_generate)")
     impl = getattr(target.config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
     if impl not in MASKED_ATTENTION:
         raise NotImplementedError(

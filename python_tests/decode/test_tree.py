@@ -172,9 +172,11 @@ class OracleDistribution:
         return DraftDistribution(logits)
 
 
-@pytest.mark.parametrize("family", CROPPABLE)
+@pytest.mark.parametrize("family", CROPPABLE + ("glm4_moe", "minimax_m2", "llama eager"))
 def test_greedy_tree_decoding_is_the_target_greedy_output(family):
-    target = tiny_target(family)
+    target = tiny_target(family.split()[0])
+    if family.endswith("eager"):  # eager attention adds the mask as SDPA does
+        target.set_attn_implementation("eager")
     want = target_generate(target, PROMPT, NEW).tokens
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, seed=1)
     assert tree_generate(target, drafter, PROMPT, NEW, budget=8).tokens == want
@@ -236,14 +238,22 @@ def test_the_dflash_adapter_drafts_the_proposer_block():
     assert dist.logits.argmax(-1).tolist() == proposer.propose(7, len(PROMPT), 3).tolist()
 
 
-@pytest.mark.parametrize("family", SLIDING + HYBRID)
+@pytest.mark.parametrize("family", SLIDING + HYBRID + ("deepseek_v32", "kimi_linear", "minimax"))
 def test_families_without_a_tree_mask_are_refused(family):
-    target = tiny_family_target(family)
+    target = tiny_family_target(family, num_hidden_layers=2)
     with pytest.raises(NotImplementedError, match=family):
         check_tree_target(target)
-    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
-    with pytest.raises(NotImplementedError, match=family):
-        tree_generate(target, drafter, PROMPT, 4)
+    if family in SLIDING + HYBRID:
+        drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+        with pytest.raises(NotImplementedError, match=family):
+            tree_generate(target, drafter, PROMPT, 4)
+
+
+def test_an_attention_without_a_custom_mask_is_refused():
+    target = tiny_target("llama")
+    target.config._attn_implementation = "flex_attention"  # takes a BlockMask, not a tensor
+    with pytest.raises(NotImplementedError, match="flex_attention"):
+        check_tree_target(target)
 
 
 # ------------------------------------------------------------------ the law at T > 0
