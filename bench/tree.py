@@ -1,0 +1,117 @@
+"""Tokens per step, chain against tree (issue 66): the same prompts decoded greedily by
+``spec_generate`` (a chain of depth drafts per step) and by ``tree_generate`` (one draft pass,
+the best tree of N nodes of its slots, verified in one pass) at each node budget N; tau (mean
+tokens per verify step) and the verify pass's length for each, every output checked against
+the chain's (greedy: they must be equal in float32).
+
+    python -m bench.tree --out OUT                     # SmolLM2 + the shipped drafter, HumanEval prompts
+    python -m bench.tree --tiny --out OUT              # a tiny random target (the smoke test)
+
+Acceptance only, no timing: what a tree buys per target pass; whether it pays depends on the
+cost of a pass of N + 1 tokens against one of depth + 1 on the device.
+"""
+import argparse
+import os
+
+import torch
+
+from bench import _common
+
+BUDGETS = (4, 8, 16, 32, 64)
+
+
+def tau_chain_vs_tree(target, drafter, prompts, max_new_tokens: int = 64, depth=None, budgets=BUDGETS,
+                      stop_token_ids=(), log=print) -> dict:
+    """{"chain": {tau, steps, tokens}, "trees": [{budget, tau, steps, equal}, ...]} over `prompts`
+    (lists of ints): tau = new tokens / verify steps over all prompts, `equal` the number of
+    prompts whose tree output equals the chain's."""
+    from dflash_ext import spec_generate
+    from dflash_ext.decode.tree import tree_generate
+
+    depth = drafter.config.block_size - 1 if depth is None else depth
+    chain = [spec_generate(target, drafter, p, max_new_tokens, block_size=depth + 1, stop_token_ids=stop_token_ids)
+             for p in prompts]
+
+    def summary(outs):
+        steps = sum(len(o.acceptance_lengths) for o in outs)
+        tokens = sum(len(o.tokens) for o in outs)
+        return dict(tau=tokens / max(1, steps), steps=steps, tokens=tokens)
+
+    result = dict(depth=depth, prompts=len(prompts), max_new_tokens=max_new_tokens,
+                  chain=dict(summary(chain), pass_tokens=depth + 1), trees=[])
+    log(f"chain (depth {depth}): tau {result['chain']['tau']:.3f}")
+    for budget in budgets:
+        outs = [tree_generate(target, drafter, p, max_new_tokens, depth=depth, budget=budget,
+                              stop_token_ids=stop_token_ids) for p in prompts]
+        row = dict(summary(outs), budget=budget, pass_tokens=budget + 1,
+                   equal=sum(o.tokens == c.tokens for o, c in zip(outs, chain)))
+        result["trees"].append(row)
+        log(f"tree (depth {depth}, {budget} nodes): tau {row['tau']:.3f}, equal {row['equal']}/{len(prompts)}")
+    return result
+
+
+def report(result) -> str:
+    rows = [dict(kind="chain", nodes=result["depth"], pass_tokens=result["chain"]["pass_tokens"],
+                 tau=result["chain"]["tau"], equal=result["prompts"])]
+    rows += [dict(kind="tree", nodes=r["budget"], pass_tokens=r["pass_tokens"], tau=r["tau"], equal=r["equal"])
+             for r in result["trees"]]
+    cols = ["kind", "nodes", ("pass_tokens", "pass tokens", "{}"), ("tau", "tau", "{:.3f}"), "equal"]
+    return _common.format_table(rows, cols, title=f"depth {result['depth']}, {result['prompts']} prompts, "
+                                                  f"{result['max_new_tokens']} new tokens each (greedy)")
+
+
+def _models(args):
+    """(target, drafter, prompts as token lists, stop tokens), as bench.batch's."""
+    from dflash_ext import DFlashDrafter
+
+    if args.tiny:
+        from dflash_ext.testing.targets import tiny_family_target
+
+        g = torch.Generator().manual_seed(args.seed)
+        target = tiny_family_target("qwen3")
+        drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
+        lengths = torch.randint(1, 40, (args.prompts,), generator=g).tolist()
+        return target, drafter, [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths], []
+    from dflash_ext.model.pretrained import default_drafter_path, load_target
+    from dflash_ext.prompts import load_prompts
+
+    target, tok = load_target(None, dtype=torch.float32)
+    drafter = DFlashDrafter.from_pretrained(args.drafter or default_drafter_path(), dtype=torch.float32)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"] for p in load_prompts("humaneval", args.prompts)]
+    return target, drafter, prompts, [tok.eos_token_id] if tok.eos_token_id is not None else []
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random qwen3 target and a fresh drafter (smoke test)")
+    ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=None, help="drafted slots (default: the drafter's block - 1)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(_common.OUT_DIR, "tree"))
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, drafter, prompts, stops = _models(args)
+    meta = _common.metadata(torch.device("cpu"), dtype="float32", tiny=args.tiny)
+    result = tau_chain_vs_tree(target, drafter, prompts, args.max_new_tokens, args.depth, args.budgets, stops,
+                               log=_common.logger())
+    result["metadata"] = meta
+    os.makedirs(args.out, exist_ok=True)
+    _common.write_json(os.path.join(args.out, "tree.json"), result)
+    text = _common.header(meta) + "\n\n" + report(result)
+    with open(os.path.join(args.out, "tree.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    bad = [f"{r['budget']} nodes: {len(prompts) - r['equal']} outputs differ "
+           "from the chain's" for r in result["trees"] if r["equal"] != len(prompts)]
+    return _common.fail("; ".join(bad)) if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
