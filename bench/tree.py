@@ -16,6 +16,7 @@ import os
 import torch
 
 from bench import _common
+from bench.batch import _models  # (target, drafter, prompts, stop tokens): the same models and prompts
 
 BUDGETS = (4, 8, 16, 32, 64)
 
@@ -60,33 +61,12 @@ def report(result) -> str:
                                                   f"{result['max_new_tokens']} new tokens each (greedy)")
 
 
-def _models(args):
-    """(target, drafter, prompts as token lists, stop tokens), as bench.batch's."""
-    from dflash_ext import DFlashDrafter
-
-    if args.tiny:
-        from dflash_ext.testing.targets import tiny_family_target
-
-        g = torch.Generator().manual_seed(args.seed)
-        target = tiny_family_target("qwen3")
-        drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
-        lengths = torch.randint(1, 40, (args.prompts,), generator=g).tolist()
-        return target, drafter, [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths], []
-    from dflash_ext.model.pretrained import default_drafter_path, load_target
-    from dflash_ext.prompts import load_prompts
-
-    target, tok = load_target(None, dtype=torch.float32)
-    drafter = DFlashDrafter.from_pretrained(args.drafter or default_drafter_path(), dtype=torch.float32)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       return_dict=True)["input_ids"] for p in load_prompts("humaneval", args.prompts)]
-    return target, drafter, prompts, [tok.eos_token_id] if tok.eos_token_id is not None else []
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny random qwen3 target and a fresh drafter (smoke test)")
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    ap.add_argument("--dtype", default="float32", choices=["float32"], help="float32: the outputs compared exactly")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=None, help="drafted slots (default: the drafter's block - 1)")
