@@ -282,3 +282,11 @@ def test_sampled_tree_decoding_follows_the_target_law(sampling):
     biased = codes.clone()  # the test has power: a fifth moved to the most likely sequence fails it
     biased[: RUNS // 5] = int(probs.argmax())
     assert chi2_goodness_of_fit(biased, probs) < P_VALUE
+
+
+def test_a_seeded_sampled_run_is_reproducible():
+    target = tiny_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, seed=1)
+    runs = [tree_generate(target, drafter, PROMPT, 12, budget=6, temperature=0.8, top_p=0.9,
+                          generator=torch.Generator().manual_seed(7)).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
