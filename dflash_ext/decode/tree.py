@@ -20,6 +20,7 @@ from typing import Callable, List, NamedTuple, Optional, Protocol, runtime_check
 
 import torch
 
+from ..ops.linear import streamed_linears
 from ..sampling import Sampling
 from .output import GenerationResult, PhaseClock, RowOutput, check_sampling, prompt_ids
 from .rollback import CacheRollback
@@ -144,7 +145,7 @@ def tree_step(runner: TargetRunner, proposer, state: DecodeState, depth: int, bu
 def tree_generate(target, drafter, input_ids, max_new_tokens: int, depth: Optional[int] = None, budget: int = 32,
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   generator: Optional[torch.Generator] = None, stop_token_ids=(), fused: bool = True,
-                  on_tokens: Optional[Callable] = None) -> GenerationResult:
+                  on_tokens: Optional[Callable] = None, stream_linears: bool = True) -> GenerationResult:
     """DFlash with tree verification, one prompt: a prefill, then :func:`tree_step` (trees of
     `depth` slots, None: the drafter's block size - 1, and at most `budget` nodes) until
     `max_new_tokens` or a stop token. `drafter`: a DFlashDrafter (a DFlashProposer is made
@@ -152,7 +153,8 @@ def tree_generate(target, drafter, input_ids, max_new_tokens: int, depth: Option
     :func:`~.loop.spec_generate`'s (one rule at every temperature: :func:`~.tree_verify.verify_tree`).
     A target whose cache or attention cannot verify a tree is a NotImplementedError naming its
     family (:func:`~.tree_verify.check_tree_target`) before anything runs. The result's
-    `block_size` is the tree's node budget + 1 (the pass's length)."""
+    `block_size` is the tree's node budget + 1 (the pass's length). `stream_linears`: as
+    spec_generate's (the target's and drafter's linear layers through skinny_linear on the CPU)."""
     from ..draft.proposer import DFlashProposer
     from ..model.drafter import DFlashDrafter
 
@@ -161,7 +163,7 @@ def tree_generate(target, drafter, input_ids, max_new_tokens: int, depth: Option
         raise ValueError(f"budget must be an int >= 1 (the tree's nodes), got {budget!r}")
     check_tree_target(target)
     ids = prompt_ids(input_ids, target, "tree_generate")
-    n_prompt, device = ids.shape[1], ids.device
+    n_prompt = ids.shape[1]
     if isinstance(drafter, DFlashDrafter):
         depth = drafter.config.block_size - 1 if depth is None else depth
         block = max(depth + 1, drafter.config.block_size)
@@ -178,6 +180,15 @@ def tree_generate(target, drafter, input_ids, max_new_tokens: int, depth: Option
             proposer.reset(n_prompt + max_new_tokens + depth + 1)
     if type(depth) is not int or depth < 0:
         raise ValueError(f"depth must be an int >= 0 (the drafter's slots a tree spans), got {depth!r}")
+    models = [target] + ([drafter] if isinstance(drafter, torch.nn.Module) else [])
+    with streamed_linears(*models, enabled=stream_linears):
+        return _tree_generate_one(target, proposer, ids, max_new_tokens, depth, budget, sampling, stop_token_ids,
+                                  on_tokens)
+
+
+def _tree_generate_one(target, proposer, ids, max_new_tokens, depth, budget, sampling, stop_token_ids, on_tokens):
+    """tree_generate of one prompt `ids` [1, n], its arguments checked, its proposer made."""
+    n_prompt, device = ids.shape[1], ids.device
     runner = TargetRunner(target, getattr(proposer, "layer_ids", None))
     out = RowOutput(ids, budget + 1, max_new_tokens, stop_token_ids, on_tokens, None)
     res = out.res
