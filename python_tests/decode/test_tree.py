@@ -80,6 +80,25 @@ def test_build_at_decoding_sizes_and_a_draft_vocabulary():
         assert (tree.parents.tolist(), tree.depths.tolist(), tree.scores.tolist()) == (parents, depths, scores)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device build")
+def test_the_device_build_reads_nothing_on_the_host():
+    """On CUDA the build syncs nothing (torch's sync debug mode raises on a host read) and
+    equals the CPU build."""
+    g = torch.Generator().manual_seed(5)
+    lp = (torch.randn(15, 4000, generator=g) * 3).log_softmax(-1)
+    vocab = torch.arange(4000) * 3
+    want = build_tree(lp, 64, vocab)
+    lp_cuda, vocab_cuda = lp.cuda(), vocab.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = build_tree(lp_cuda, 64, vocab_cuda)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+
+
 def test_tree_structure():
     g = torch.Generator().manual_seed(4)
     for S, V, N in ((5, 7, 40), (4, 3, 30), (6, 50, 64), (1, 9, 5)):
