@@ -19,8 +19,11 @@
   "match" rule of :mod:`.verify`, over siblings). For a candidate set chosen
   deterministically (the top-k of the drafter's distribution, as here) it is also the best
   exact rule: no rule that emits p can accept a child c with probability above p(c), and this
-  one accepts each child exactly that often. (Recursive rejection sampling over siblings,
-  SpecInfer's, needs candidates *sampled* from q; it is for a sampled tree, not this one.)
+  one accepts each child exactly that often. (A *sampled* tree, its children drawn from q,
+  verified by recursive rejection sampling over siblings (SpecInfer, Sequoia), is another
+  scheme: exact in expectation over the draws, it can accept more at T > 0 where q is close to
+  p and spread out (one sampled child is accepted with probability sum min(p, q), one top-1
+  child with p(top-1)); not built.)
 - The cache (:func:`keep_path`): the pass wrote K/V for the whole tree; the accepted path's
   columns are moved right after the root's, in order, and the rest is cropped
   (:class:`~.rollback.CacheRollback`, as a chain's rejected tail).
