@@ -1,5 +1,5 @@
 """Smoke tests of bench.draft_latency, bench.e2e, bench.bench_ops, bench.verify_numerics,
-bench.rollback and bench.training.learning_curve: each runs (``python -m bench.<name>`` from the repository
+bench.rollback, bench.tree and bench.training.learning_curve: each runs (``python -m bench.<name>`` from the repository
 root) with options even smaller than --quick, and the JSON it writes is checked (fields and
 sanity, not the timings). bench_ops's CUDA-only columns (bytes moved, copy bandwidth, SDPA)
 are checked on CPU through its pure helpers and a run with them forced on; its --isa levels
@@ -440,6 +440,20 @@ def test_batch_quick(tmp_path):
                                                / row[row["baseline"]]["tokens_per_second"])
         assert 1 <= row["dflash"]["tau"] <= 4 and row["alone"]["steps"] == 8 * -(-5 // row["batch"])
     assert "speedup" in proc.stdout and (tmp_path / "batch.png").exists()
+
+
+def test_tree_quick(tmp_path):
+    """bench.tree --tiny: the chain's tau and each tree budget's, every tree output equal to the
+    chain's (greedy, float32), the table."""
+    proc = _run("tree", ["--tiny", "--prompts", "2", "--max-new-tokens", "8", "--budgets", "2", "8",
+                         "--threads", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "tree.json").read_text())
+    assert data["depth"] == 3 and data["chain"]["tokens"] == 16 and data["chain"]["pass_tokens"] == 4
+    assert [r["budget"] for r in data["trees"]] == [2, 8]
+    for row in data["trees"]:
+        assert row["equal"] == 2 and row["tokens"] == 16 and row["pass_tokens"] == row["budget"] + 1
+        assert 1 <= row["tau"] <= 4
+    assert "pass tokens" in proc.stdout
 
 
 def _fake_binary(folder, name, lines, code=0):

@@ -62,6 +62,9 @@ ORDER = [
     "decode.step",       # speculative_step: draft -> verify -> accept -> roll back -> inject
     "decode.autotune",   # every run-time timing of the decoding: the block size
     "decode.batch",      # batch_generate: many prompts, ragged acceptance, the RaggedCache
+    "decode.tree_build",  # the draft tree of one draft pass: the best-first top-N paths, vectorised
+    "decode.tree_verify",  # the tree's verify pass (4-D mask), its rule, the accepted path's K/V kept
+    "decode.tree",       # tree_step, tree_generate, the tree proposer protocol and DFlashProposer's adapter
     "decode.loop",       # spec_generate, target_generate
     "diagnostics",       # dflash_ext.info(): what was built and what runs here
     "serving", "serving.vllm_plugin",  # vLLM's plugin entry point (imports nothing of vLLM)
