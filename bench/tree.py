@@ -1,6 +1,6 @@
 """Tokens per step, chain against tree (issue 66): the same prompts decoded greedily by
-``spec_generate`` (a chain of depth drafts per step) and by ``tree_generate`` (one draft pass,
-the best tree of N nodes of its slots, verified in one pass) at each node budget N; tau (mean
+``spec_generate`` (a chain of depth drafts per step) and by ``spec_generate(tree_budget=N)``
+(one draft pass, the best tree of N nodes of its slots, verified in one pass) at each node budget N; tau (mean
 tokens per verify step) and the verify pass's length for each, every output checked against
 the chain's (greedy: they must be equal in float32).
 
@@ -30,7 +30,6 @@ def tau_chain_vs_tree(target, drafter, prompts, max_new_tokens: int = 64, depth=
     the chain's rule is rejection sampling of sampled drafts, the tree's sample-and-match,
     each run with a generator seeded `seed`: outputs differ, only tau compares)."""
     from dflash_ext import spec_generate
-    from dflash_ext.decode.tree import tree_generate
 
     depth = drafter.config.block_size - 1 if depth is None else depth
     sampled = dict(temperature=temperature, generator=torch.Generator().manual_seed(seed))
@@ -47,7 +46,7 @@ def tau_chain_vs_tree(target, drafter, prompts, max_new_tokens: int = 64, depth=
     log(f"chain (depth {depth}): tau {result['chain']['tau']:.3f}")
     for budget in budgets:
         sampled["generator"].manual_seed(seed)
-        outs = [tree_generate(target, drafter, p, max_new_tokens, depth=depth, budget=budget,
+        outs = [spec_generate(target, drafter, p, max_new_tokens, block_size=depth + 1, tree_budget=budget,
                               stop_token_ids=stop_token_ids, **sampled) for p in prompts]
         row = dict(summary(outs), budget=budget, pass_tokens=budget + 1,
                    equal=sum(o.tokens == c.tokens for o, c in zip(outs, chain)))

@@ -136,6 +136,16 @@ class Draft(NamedTuple):
     probs: torch.Tensor
 
 
+class DraftDistribution(NamedTuple):
+    """One draft pass's per-slot distributions, what a tree is built from
+    (:mod:`dflash_ext.decode.tree`): `logits [n, V']` (slot s predicts the token at depth
+    s + 1 after the last accepted one, whatever was drafted before it) and `vocab`: the target
+    token id of each of the V' columns (a drafter's draft vocabulary), or None (the columns
+    are the target's token ids)."""
+    logits: torch.Tensor
+    vocab: Optional[torch.Tensor] = None
+
+
 def split_draft(proposed):
     """What a proposer returned as (tokens, q): a :class:`Draft`'s, or plain tokens and None
     (proposed with certainty: q one-hot to the verify rule)."""

@@ -263,15 +263,17 @@ def demo_one_prompt(args, tok, drafter, ids, stops, chosen: DtypeChoice, report:
     block_size, best_drafting = _one_prompt_block_size(args, drafter, ids, chosen, static_cache_len)
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops,
                   static_cache=args.static_cache)
+    rule = dict(verify=args.verify, tree_budget=args.tree_budget)  # DFlash's alone (the target alone has none)
     if args.baseline:  # untimed warm-up of the loop, so that the timed run pays no first-call costs
-        spec_generate(model, drafter, ids, 8, block_size=block_size, verify=args.verify, **common)
+        spec_generate(model, drafter, ids, 8, block_size=block_size, **rule, **common)
     # One closure for every timed DFlash run (the streamed one, the repeats, the best drafting B), so all run alike.
     run_dflash = lambda b, on_tokens=None: spec_generate(
-        model, drafter, ids, args.max_new_tokens, block_size=b, verify=args.verify,
-        generator=torch.Generator().manual_seed(args.seed), on_tokens=on_tokens, **common)
+        model, drafter, ids, args.max_new_tokens, block_size=b, generator=torch.Generator().manual_seed(args.seed),
+        on_tokens=on_tokens, **rule, **common)
     res = run_dflash(block_size, on_tokens=_Streamer(tok))
     _print_stats("DFlash" if block_size > 1 else "DFlash at block size 1: the target alone, nothing drafted", res)
-    report["dflash"] = dict(res.summary(), verify=args.verify if args.temperature > 0 else "greedy")
+    report["dflash"] = dict(res.summary(), verify=args.verify if args.temperature > 0 else "greedy",
+                            tree_budget=args.tree_budget)
     drafted = None
     if best_drafting is not None:
         drafted = run_dflash(best_drafting)

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from . import demo
+from ..sampling import DEFAULT_VERIFY
 from .args import UsageError, check_drafter_fits
 
 
@@ -18,6 +19,7 @@ def cmd_generate(args):
     from ..model.pretrained import MissingPackage, load_target
     from ..ops.hardware import cpu_description
 
+    _check_tree_budget(args)
     torch.set_num_threads(args.threads)
     where = cpu_description() if torch.device(args.device).type == "cpu" else args.device
     try:
@@ -43,6 +45,22 @@ def cmd_generate(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def _check_tree_budget(args) -> None:
+    """--tree-budget's usage errors, before any work, and the verify rule: --verify's, else
+    match with a tree (its rule), rejection without."""
+    if not args.tree_budget:
+        args.verify = args.verify or DEFAULT_VERIFY
+        return
+    for wrong, why in ((args.prompts_file, "--prompts-file: a tree decodes one prompt (batches verify chains)"),
+                       (args.static_cache, "--static-cache: a tree is verified over the dynamic cache"),
+                       (args.block_size == "auto", "--block-size auto times chains: give the tree's depth + 1 "
+                                                   "(--block-size N)"),
+                       (args.verify == "rejection", "--verify rejection: a tree is verified by the match rule")):
+        if wrong:
+            raise UsageError(f"argument --tree-budget: {why}")
+    args.verify = "match"
 
 
 def _chat_ids(tok, prompt: str) -> list:

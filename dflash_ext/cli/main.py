@@ -44,10 +44,15 @@ def main(argv=None):
     g.add_argument("--temperature", type=nonnegative_float, default=0.0)
     g.add_argument("--top-k", type=nonnegative_int, default=0, help="0: off")
     g.add_argument("--top-p", type=probability, default=1.0)
-    g.add_argument("--verify", choices=VERIFY_RULES, default=DEFAULT_VERIFY,
-                   help="the verify rule at temperature > 0 (both exact): rejection (default; sampled drafts accepted "
-                        "with min(1, p/q)) or match (greedy drafts accepted while they equal the target's sample); "
-                        "no effect at temperature 0")
+    g.add_argument("--verify", choices=VERIFY_RULES, default=None,
+                   help=f"the verify rule at temperature > 0 (both exact): rejection (default; {DEFAULT_VERIFY} is the "
+                        "default without --tree-budget; sampled drafts accepted with min(1, p/q)) or match (greedy "
+                        "drafts accepted while they equal the target's sample; a tree's rule); no effect at "
+                        "temperature 0")
+    g.add_argument("--tree-budget", type=nonnegative_int, default=0,
+                   help="tree verification: each step verifies the N most probable paths of the draft pass's slots "
+                        "in one target pass of N + 1 tokens (exact at every temperature, the match rule); 0: the "
+                        "chain (default). One prompt, a fixed --block-size (the tree's depth + 1), no --static-cache")
     g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--static-cache", action="store_true",
                    help="the target's cache is transformers' StaticCache (a rollback lowers its length); on CUDA the "

@@ -20,6 +20,8 @@ from .output import GenerationResult, PhaseClock, RowOutput, check_on_tokens, ch
 from .rollback import CacheRollback
 from .runner import TargetRunner, vocab_size
 from .step import DecodeState, OneRow, speculative_step
+from .tree import TreeProposer, tree_step
+from .tree_verify import check_tree_cache, check_tree_target
 
 __all__ = ["spec_generate", "target_generate"]
 
@@ -35,7 +37,8 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
                   on_tokens: Optional[Callable] = None,
                   draft_window: Optional[int] = None, streamer=None,
                   stream_linears: bool = True, static_cache: bool = False,
-                  verify: Optional[str] = None) -> Union[GenerationResult, List[GenerationResult]]:
+                  verify: Optional[str] = None,
+                  tree_budget: Optional[int] = None) -> Union[GenerationResult, List[GenerationResult]]:
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`~.step.speculative_step`, which times and streams.
 
@@ -61,6 +64,10 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     the target's distribution; at T = 0 both are the greedy match. One `generator` drives the
     drafting and the verification: a seeded generator gives the same tokens again.
 
+    `tree_budget` N (None or 0: the chain): each step verifies the N most probable paths of the
+    draft pass's `block_size` - 1 slots in one target pass (:func:`~.tree.tree_step`; one prompt,
+    the match rule, exact at every temperature; what it takes: docs/decoding.md, "Tree verification").
+
     One prompt or many, one rule (:func:`~.batch.prompt_rows`; docs/decoding.md, "One prompt
     or many"): a list or tuple of prompts (each a list of ints, an [n] or [1, n] tensor or numpy
     array; their lengths may differ) returns a list of GenerationResult, one per prompt, in
@@ -73,13 +80,15 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     proposer objects, one per prompt; `on_tokens(row, tokens)`; `streamer` None or a list of
     one per prompt; "auto" times the batched passes (``choose_block_size(batch_size=...)``); no
     `static_cache`. Every argument is checked before the prefill, with an error naming it."""
-    sampling = check_sampling(max_new_tokens, temperature, top_k, top_p, verify, generator)
+    tree_budget = _check_tree(tree_budget, verify, block_size, static_cache, target)
+    sampling = check_sampling(max_new_tokens, temperature, top_k, top_p, "match" if tree_budget else verify,
+                              generator)
     rows = prompt_rows(input_ids, target, "spec_generate")
     check_on_tokens(on_tokens, batch=rows is not None)
-    _check_drafter(drafter, None if rows is None else len(rows))
+    _check_drafter(drafter, None if rows is None else len(rows), tree=bool(tree_budget))
     _check_block_size(block_size, drafter)
     options = dict(block_size=block_size, stop_token_ids=stop_token_ids, fused=fused, draft_window=draft_window,
-                   stream_linears=stream_linears, static_cache=static_cache)
+                   stream_linears=stream_linears, static_cache=static_cache, tree_budget=tree_budget)
     if rows is None:
         return _spec_generate_one(target, drafter, prompt_ids(input_ids, target, "spec_generate"), max_new_tokens,
                                   sampling, on_tokens=on_tokens, streamer=streamer, **options)
@@ -89,7 +98,7 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
 
 def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, block_size,
                        stop_token_ids, fused, on_tokens, draft_window, streamer, stream_linears,
-                       static_cache) -> GenerationResult:
+                       static_cache, tree_budget) -> GenerationResult:
     """spec_generate of one prompt, `ids` [1, n] on the target's device, its arguments checked."""
     models = [target] + ([drafter] if isinstance(drafter, nn.Module) else [])
     with streamed_linears(*models, enabled=stream_linears):
@@ -100,24 +109,30 @@ def _spec_generate_one(target, drafter, ids: torch.Tensor, max_new_tokens: int, 
         if proposer is None:  # nothing to draft: the target alone, without the drafter's hidden states
             return _target_generate_one(target, ids, max_new_tokens, sampling, stop_token_ids, on_tokens, streamer,
                                         static_cache)
+        if tree_budget and not isinstance(drafter, DFlashDrafter):
+            proposer = drafter  # a tree proposer object drives the tree step itself
         runner = TargetRunner(target, layer_ids, compiled_sizes=(B,) if static_cache else ())
         # Prompt, budget, one block of rejected rows (the trained block: the length choose_block_size compiled for).
         cache = runner_module.make_static_cache(target, n_prompt + max_new_tokens + max(B, trained)) \
             if static_cache else None
-        out = RowOutput(ids, B, max_new_tokens, stop_token_ids, on_tokens, streamer)
+        width = tree_budget + 1 if tree_budget else B  # a verify pass's tokens: the block, or the tree and its root
+        out = RowOutput(ids, width, max_new_tokens, stop_token_ids, on_tokens, streamer)
         res = out.res
         clock = PhaseClock(device)
         logits, hidden, cache = runner(ids, cache, last_logits_only=True)
+        if tree_budget:
+            check_tree_cache(cache)
         clock("verify")
         last = int(sampling.token(logits[0, -1:])[0])
-        state = DecodeState(OneRow(cache, CacheRollback(cache, B)), [0], [last], [n_prompt])
+        state = DecodeState(OneRow(cache, CacheRollback(cache, width)), [0], [last], [n_prompt])
         done = out.emit([last])
         if not done and B > 1:
             proposer.accept(hidden, slice(0, n_prompt), torch.arange(n_prompt, device=device))
         clock("draft")
         while not done:
             verify_size = min(B, max_new_tokens - len(res.tokens) + 1)  # near the budget: verify fewer
-            new = speculative_step(runner, proposer, state, verify_size, sampling, clock)[0]
+            new = tree_step(runner, proposer, state, verify_size - 1, tree_budget, sampling, clock) if tree_budget \
+                else speculative_step(runner, proposer, state, verify_size, sampling, clock)[0]
             before = len(res.tokens)
             done = out.emit(new)
             res.acceptance_lengths.append(len(res.tokens) - before)  # the budget may cut the last step
@@ -176,10 +191,35 @@ def _check_block_size(block_size, drafter) -> None:
         raise ValueError(f"block_size must be an int >= 1 or 'auto', got {block_size!r}")
 
 
-def _check_drafter(drafter, batch: Optional[int]) -> None:
+def _check_tree(tree_budget, verify, block_size, static_cache: bool, target) -> int:
+    """`tree_budget` as the loop takes it (0: the chain), with what a tree step excludes, else
+    an error naming the argument (the target: :func:`~.tree_verify.check_tree_target`)."""
+    if tree_budget is None or (type(tree_budget) is int and tree_budget == 0):
+        return 0
+    if type(tree_budget) is not int or tree_budget < 0:  # bool too
+        raise ValueError(f"tree_budget must be an int >= 1 (the tree's nodes), or 0 / None (the chain), "
+                         f"got {tree_budget!r}")
+    if verify not in (None, "match"):
+        raise ValueError(f"verify={verify!r} with tree_budget: a tree is verified by the match rule over its siblings "
+                         "(exact at every temperature); give verify=None or 'match'")
+    if static_cache:
+        raise ValueError("static_cache=True with tree_budget: a tree is verified over the dynamic cache")
+    if isinstance(block_size, str):
+        raise ValueError(f"block_size={block_size!r} with tree_budget: the tree's depth is block_size - 1, an int "
+                         "(or None: the drafter's)")
+    check_tree_target(target)
+    return tree_budget
+
+
+def _check_drafter(drafter, batch: Optional[int], tree: bool = False) -> None:
     """`drafter` as the loop takes it, else a ValueError naming it: a DFlashDrafter, or for one
     prompt (`batch` None) a proposer object, for a batch of `batch` prompts a list of them,
-    one per prompt (a proposer drafts one sequence)."""
+    one per prompt (a proposer drafts one sequence). With `tree`: one prompt, and a drafter
+    whose slots are a tree's (not DFlash2's walk, not DeepSpec's Markov chain) or a tree
+    proposer object (``propose_distribution``, ``accept``)."""
+    if tree:
+        _check_tree_drafter(drafter, batch)
+        return
     if isinstance(drafter, DFlashDrafter):
         return
     if batch is None:
@@ -202,6 +242,22 @@ def _check_drafter(drafter, batch: Optional[int]) -> None:
         if not isinstance(one, Proposer):
             raise ValueError(f"drafter[{i}] must be a proposer object (with accept and propose methods), "
                              f"got {type(one).__name__}")
+
+
+def _check_tree_drafter(drafter, batch: Optional[int]) -> None:
+    if batch is not None and batch > 1:
+        raise ValueError("tree_budget: one prompt (a batch of prompts verifies chains; per-row trees are not written)")
+    one = drafter[0] if isinstance(drafter, (list, tuple)) and len(drafter) == 1 else drafter
+    if isinstance(one, DFlashDrafter):
+        c = one.config
+        if c.is_dflash2 or c.is_deepspec:
+            raise NotImplementedError(f"tree_budget with a {'DFlash2' if c.is_dflash2 else 'DeepSpec-format'} drafter: "
+                                      "its slots follow the token drafted before them, so a tree is not its slots' "
+                                      "top-k; tree drafting takes a DFlash (v1) drafter")
+        return
+    if not isinstance(one, TreeProposer):
+        raise ValueError("drafter: tree_budget takes a DFlashDrafter or a tree proposer object (with "
+                         f"propose_distribution and accept methods), got {type(one).__name__}")
 
 
 def _reset(proposers, positions: int) -> None:
@@ -228,7 +284,7 @@ def _proposer(drafter, target, B: int, context_len: int, max_new_tokens: int, fu
 
 def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_tokens: int, sampling: Sampling,
                          block_size, stop_token_ids, fused, on_tokens, draft_window, streamer, stream_linears,
-                         static_cache) -> List[GenerationResult]:
+                         static_cache, tree_budget) -> List[GenerationResult]:
     """spec_generate over a list of prompts (:func:`~.batch.batch_generate`); a list of one runs
     the single-prompt loop."""
     streamers = per_row(streamer, len(rows), "streamer")
@@ -236,7 +292,7 @@ def _spec_generate_batch(target, drafter, rows: List[torch.Tensor], max_new_toke
         one = drafter[0] if isinstance(drafter, (list, tuple)) else drafter
         return [_spec_generate_one(target, one, rows[0], max_new_tokens, sampling, block_size, stop_token_ids, fused,
                                    row_callback(on_tokens, 0), draft_window, streamers[0], stream_linears,
-                                   static_cache)]
+                                   static_cache, tree_budget)]
     if static_cache:
         raise ValueError("static_cache=True decodes one prompt: a batch of prompts runs on the dynamic cache")
     check_batchable(target)

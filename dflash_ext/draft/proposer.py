@@ -10,7 +10,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from ..sampling import Draft, Sampling
+from ..sampling import Draft, DraftDistribution, Sampling
 
 from .dspark import DSparkProposer
 from .head import block_embedding
@@ -100,9 +100,9 @@ class DFlashProposer:
     @torch.no_grad()
     def accept(self, hidden_states, rows: slice, positions: torch.Tensor, seq: int = 0, index: int = 0) -> None:
         """Inject the target hidden states (HF tuple: layer l is hidden_states[l + 1]) of the
-        tokens in `rows` of the last target pass, at `positions` (those tokens' positions, in
-        order after the context the proposer holds), into sequence `seq`'s context; `index`:
-        the pass's batch row they are in."""
+        tokens in `rows` (a slice, or a long tensor of rows: a tree's accepted path) of the last
+        target pass, at `positions` (those tokens' positions, in order after the context the
+        proposer holds), into sequence `seq`'s context; `index`: the pass's batch row they are in."""
         runtime = self.runtime
         feats = [hidden_states[l + 1][index, rows].to(runtime.dtype) for l in self.layer_ids]
         runtime.cover(runtime.cache.lengths[seq] + feats[0].shape[0])  # a host count: no device read
@@ -118,6 +118,18 @@ class DFlashProposer:
         on the first n slots only."""
         width = self._width(position, n)
         return self.runtime.draft(last_token, position, width, n, self.sampling)
+
+    @torch.no_grad()
+    def propose_distribution(self, last_token: int, position: int, n: int) -> DraftDistribution:
+        """The per-slot distributions of :meth:`propose`'s draft pass (its first n slots'
+        logits over the draft vocabulary, and that vocabulary): what a draft tree is built
+        from (``spec_generate(..., tree_budget=)``). A DFlash2 drafter's slots follow the token
+        drafted before them (its selector's walk), so they are no tree's slots: refused."""
+        if getattr(self.runtime.drafter, "candidate_selector", None) is not None:
+            raise NotImplementedError("tree drafting with a DFlash2 drafter: its slots' candidates follow the token "
+                                      "drafted before them (the selector's walk), so a tree is not its slots' top-k")
+        logits = self.runtime.draft_distribution(last_token, position, self._width(position, n), n)
+        return DraftDistribution(logits, self.runtime.vocab)
 
     @torch.no_grad()
     def propose_rows(self, seqs, last_tokens, positions, n: int):

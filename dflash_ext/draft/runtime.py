@@ -247,18 +247,36 @@ class DraftRuntime:
         if not self.cuda_graph:
             out = self.draft_rows([0], [last_token], [position], width, n, sampling)
             return out[0] if sampling is None else Draft(out.tokens[0], out.probs[0])
-        self.cover(position + width + 1)
         sampled = sampling is not None
-        step = self._graphs.get((width, n, sampled))
-        if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
-            self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
-            step = self._graphs[(width, n, sampled)] = CapturedDraftStep(self, width, n, sampled)
-        out = step(last_token, position)
+        out = self._replay(last_token, position, width, n, sampled)
         if not sampled:
             return out[0]
         anchor = torch.full((1,), last_token, dtype=torch.long, device=self.device)
         tokens, probs = self.sample_draft(*out, anchor, sampling)
         return Draft(tokens[0], probs[0])
+
+    def _replay(self, last_token: int, position: int, width: int, n: int, sampled: bool):
+        """The captured step for (width, n, `sampled`: up to the logits) replayed at `position`
+        after `last_token` (captured first, or anew where it no longer fits)."""
+        self.cover(position + width + 1)
+        step = self._graphs.get((width, n, sampled))
+        if step is None or not step.fits(self):  # the graphs that no longer fit, and their pools, go first
+            self._graphs = {key: g for key, g in self._graphs.items() if g.fits(self)}
+            step = self._graphs[(width, n, sampled)] = CapturedDraftStep(self, width, n, sampled)
+        return step(last_token, position)
+
+    @torch.no_grad()
+    def draft_distribution(self, last_token: int, position: int, width: int, n: int) -> torch.Tensor:
+        """The LM head's logits [n, V'] (over the draft vocabulary where the drafter has one) of
+        the first n slots of sequence 0's block [last_token, MASK x width] at ``position ..``:
+        each slot's distribution, what a draft tree is built from. With `cuda_graph`, a replay
+        of :meth:`draft`'s sampled step (it ends at these logits)."""
+        if self.cuda_graph:
+            return self._replay(last_token, position, width, n, True)[1][0]
+        self.cover(position + width + 1)
+        ids = torch.full((1, width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0, 0] = last_token
+        return self.draft_logits(ids, position + torch.arange(width + 1, device=self.device)[None], n)[1][0]
 
     @torch.no_grad()
     def draft_rows(self, seqs: Sequence[int], last_tokens: Sequence[int], positions: Sequence[int], width: int,

@@ -65,6 +65,10 @@ BAD_FLAGS = [  # (argv, the flag the error names); {data}, {drafter}, {tmp} are 
     ("generate --top-p 0", "--top-p"),
     ("generate --top-p 1.5", "--top-p"),
     ("generate --verify accept-all", "--verify"),
+    ("generate --tree-budget -1", "--tree-budget"),
+    ("generate --tree-budget 8", "--tree-budget"),  # --block-size auto: a tree needs its depth
+    ("generate --tree-budget 8 --block-size 4 --static-cache", "--tree-budget"),
+    ("generate --tree-budget 8 --block-size 4 --verify rejection", "--tree-budget"),
     ("generate --max-new-tokens 0", "--max-new-tokens"),
     ("generate --threads 0", "--threads"),
     ("generate --device gpu", "--device"),
@@ -121,6 +125,13 @@ BAD_FLAGS = [  # (argv, the flag the error names); {data}, {drafter}, {tmp} are 
 def test_out_of_range_flag_is_a_usage_error_naming_it(argv, flag, tmp_path, data, drafter_dir, nothing_loads, capsys):
     err = _usage_error(argv.format(tmp=tmp_path, data=data, drafter=drafter_dir).split(), capsys)
     assert f"argument {flag}:" in err
+
+
+def test_a_tree_with_a_prompts_file_is_a_usage_error(tmp_path, nothing_loads, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    err = _usage_error(["generate", "--tree-budget", "8", "--block-size", "4", "--prompts-file", str(prompts)], capsys)
+    assert "argument --tree-budget: --prompts-file" in err
 
 
 def test_data_checks_run_before_anything_loads(tmp_path, data, drafter_dir, nothing_loads, capsys):

@@ -231,6 +231,25 @@ def test_generate_verify_picks_the_rule_at_temperature_above_zero(tiny_run, monk
     assert report["dflash"]["verify"] == rule
 
 
+def test_generate_tree_budget_runs_trees_and_keeps_the_greedy_output(tiny_run, monkeypatch, capsys):
+    """--tree-budget 6: spec_generate is asked for trees (the match rule), and the output
+    comparison with the target alone (the demo's own check) still finds it equal."""
+    import dflash_ext.decode.loop
+
+    seen = []
+    real = dflash_ext.decode.loop.spec_generate
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["tree_budget"], kwargs["verify"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dflash_ext.decode.loop, "spec_generate", spy)
+    err, report = tiny_run(capsys, "--dtype", "float32", "--tree-budget", "6", "--block-size", "4")
+    assert seen and set(seen) == {(6, "match")}
+    assert report["dflash"]["tree_budget"] == 6 and report["dflash"]["block_size"] == 7  # a pass of 6 nodes + root
+    assert report["identical_to_baseline"] is True, err
+
+
 class _TextTokenizer(_Tokenizer):
     """A tokenizer whose ids follow the text: each character's code (mod 200), one token each."""
 

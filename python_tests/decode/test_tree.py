@@ -9,17 +9,23 @@ import heapq
 import pytest
 import torch
 
-from dflash_ext import DFlashDrafter, target_generate
+from dflash_ext import DFlashDrafter, spec_generate, target_generate
 from dflash_ext.decode.rollback import CacheRollback
 from dflash_ext.decode.runner import TargetRunner
-from dflash_ext.decode.step import DecodeState
-from dflash_ext.decode.tree import DFlashTreeProposer, DraftDistribution, tree_generate, tree_step
+from dflash_ext.decode.step import DecodeState, OneRow
+from dflash_ext.decode.tree import tree_step
 from dflash_ext.decode.tree_build import build_tree, tree_size
 from dflash_ext.decode.tree_verify import check_tree_target, tree_inputs, verify_tree
 from dflash_ext.draft.proposer import DFlashProposer
-from dflash_ext.sampling import Sampling
+from dflash_ext.sampling import DraftDistribution, Sampling
 from dflash_ext.testing.targets import CROPPABLE, HYBRID, SLIDING, tiny_family_target, tiny_target
 from python_tests.decode.test_target_families import chi2_goodness_of_fit, exact_first_tokens
+
+
+def tree_generate(target, drafter, prompt, max_new_tokens, depth=None, budget=32, **kwargs):
+    """spec_generate with trees of `depth` slots (None: the drafter's block - 1) and `budget` nodes."""
+    return spec_generate(target, drafter, prompt, max_new_tokens, block_size=None if depth is None else depth + 1,
+                         tree_budget=budget, **kwargs)
 
 
 # ------------------------------------------------------------------ the build against a reference
@@ -229,30 +235,30 @@ def test_the_cache_after_a_step_is_the_target_own():
     oracle.accept = lambda hidden, rows, positions: got_rows.append((rows.tolist(), positions.tolist()))
     runner = TargetRunner(target)
     logits, _, cache = runner(torch.tensor([PROMPT]), None, last_logits_only=True)
-    state = DecodeState(cache, CacheRollback(cache, 32), int(logits[0, -1].argmax()), len(PROMPT))
-    tokens = [state.last]
+    state = DecodeState(OneRow(cache, CacheRollback(cache, 32)), [0], [int(logits[0, -1].argmax())], [len(PROMPT)])
+    tokens = list(state.lasts)
     for _ in range(3):
         tokens += tree_step(runner, oracle, state, 4, 10, Sampling())
     assert tokens == want[:len(tokens)]
     assert any(rows != list(range(len(rows))) for rows, _ in got_rows)  # a path not in the first columns
-    assert [p for _, positions in got_rows for p in positions] == list(range(len(PROMPT), state.pos))
+    pos = state.positions[0]
+    assert [p for _, positions in got_rows for p in positions] == list(range(len(PROMPT), pos))
     _, _, fresh = runner(torch.tensor([PROMPT + tokens[:-1]]), None, hidden_states=False)
-    assert cache.get_seq_length() == fresh.get_seq_length() == state.pos
+    assert cache.get_seq_length() == fresh.get_seq_length() == pos
     for mine, theirs in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
 
 
-def test_the_dflash_adapter_drafts_the_proposer_block():
-    """DFlashTreeProposer's slots are the proposer's own draft pass: their argmax is its greedy draft."""
+def test_the_proposer_distribution_is_its_draft_pass():
+    """DFlashProposer.propose_distribution's slots are its own draft pass: their argmax is its greedy draft."""
     target = tiny_target("llama")
     drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, seed=1)
     runner = TargetRunner(target, drafter.config.target_layer_ids)
     _, hidden, _ = runner(torch.tensor([PROMPT]), None)
     proposer = DFlashProposer(drafter, target, capacity=64)
     proposer.accept(hidden, slice(0, len(PROMPT)), torch.arange(len(PROMPT)))
-    tree = DFlashTreeProposer(proposer)
-    dist = tree.propose_distribution(7, len(PROMPT), 3)
+    dist = proposer.propose_distribution(7, len(PROMPT), 3)
     assert dist.logits.shape[0] == 3
     assert dist.logits.argmax(-1).tolist() == proposer.propose(7, len(PROMPT), 3).tolist()
 
@@ -266,6 +272,37 @@ def test_families_without_a_tree_mask_are_refused(family):
         drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4)
         with pytest.raises(NotImplementedError, match=family):
             tree_generate(target, drafter, PROMPT, 4)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(tree_budget=-1), ValueError, "tree_budget must be an int >= 1"),
+    (dict(tree_budget=True), ValueError, "tree_budget must be an int >= 1"),
+    (dict(tree_budget=2.0), ValueError, "tree_budget must be an int >= 1"),
+    (dict(tree_budget=4, verify="rejection", temperature=1.0), ValueError, "verify='rejection' with tree_budget"),
+    (dict(tree_budget=4, static_cache=True), ValueError, "static_cache=True with tree_budget"),
+    (dict(tree_budget=4, block_size="auto"), ValueError, "block_size='auto' with tree_budget"),
+])
+def test_spec_generate_names_what_a_tree_excludes(kwargs, error, match):
+    target = tiny_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, seed=1)
+    with pytest.raises(error, match=match):
+        spec_generate(target, drafter, PROMPT, 4, **kwargs)
+
+
+def test_spec_generate_tree_refuses_a_batch_and_walking_drafters():
+    target = tiny_target("llama")
+    drafter = DFlashDrafter.from_target(target.config, num_layers=1, block_size=4, seed=1)
+    with pytest.raises(ValueError, match="tree_budget: one prompt"):
+        spec_generate(target, drafter, [PROMPT, PROMPT[:3]], 4, tree_budget=4)
+    assert spec_generate(target, drafter, [PROMPT], 6, tree_budget=4)[0].tokens == \
+        target_generate(target, PROMPT, 6).tokens  # a list of one is one prompt
+    dflash2 = DFlashDrafter.dflash2_from(drafter, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                         selector_top_k=4)
+    with pytest.raises(NotImplementedError, match="DFlash2"):
+        spec_generate(target, dflash2, PROMPT, 4, tree_budget=4)
+    with pytest.raises(ValueError, match="tree proposer object"):
+        spec_generate(target, object(), PROMPT, 4, block_size=3, tree_budget=4)
+    assert spec_generate(target, drafter, PROMPT, 6, tree_budget=0).tokens == target_generate(target, PROMPT, 6).tokens
 
 
 def test_an_attention_without_a_custom_mask_is_refused():
