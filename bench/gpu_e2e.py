@@ -31,6 +31,12 @@ single-prompt output; at τ ≈ 1 here, so per batch also speedup(τ) = τ · th
 ms per batched pass / DFlash's). Results go to OUT/gpu_e2e.json (rewritten after each row: a
 run cut short keeps what it measured) and OUT/gpu_e2e.txt. Off CUDA nothing compiles (the
 same passes run eagerly).
+
+The tree row (issue 66; ``--rows tree``, its own step of tools/gpu/gpu_e2e.sh): per context the
+median ms of one chain step (B) and of one tree step (tree_step: the draft pass's B - 1
+slots, the best tree of N nodes, one target pass of N + 1 tokens under the ancestor mask) for
+N = 4, 8, 16, 32, 64: whether a wider pass costs about one pass on the device; the trees' τ
+is the CPU bench's (bench.tree) or DDTree's.
 """
 import argparse
 import os
@@ -45,7 +51,8 @@ from bench import _common
 # The paper's τ for Qwen3-8B (H200, transformers backend): average over its benchmarks
 # (greedy), its best benchmark (MATH-500), the average at T = 1 (/work/shared/DESIGN.md §1).
 PAPER_TAUS = {"avg greedy": 6.49, "MATH-500": 7.87, "avg T=1": 5.48}
-ROWS = ["alone", "ours", "hf", "alone_static", "ours_static", "oracle", "batch"]
+ROWS = ["alone", "ours", "hf", "alone_static", "ours_static", "oracle", "batch", "tree"]
+TREE_BUDGETS = (4, 8, 16, 32, 64)  # the tree row's node budgets (issue 66)
 QWEN3_8B_DRAFTER = dict(num_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33])
 
 
@@ -169,6 +176,48 @@ def time_our_step(target, drafter, prompt, static: bool, args, cache_len: int) -
     return dict(step_ms=ms(step), draft_ms=ms(laps["draft"]), verify_ms=ms(laps["verify"]),
                 rollback_ms=ms(rollbacks), rest_ms=ms(rest), compiled=runner.compiles,
                 measured_tau=statistics.mean(emitted[args.warmup:]))
+
+
+@torch.no_grad()
+def time_tree_steps(target, drafter, prompt, args, cache_len: int, budgets=TREE_BUDGETS) -> dict:
+    """Median ms of one step per node budget N: the chain's (speculative_step, B = args.block)
+    and the tree's (tree_step: the draft pass's B - 1 slots, the tree of N nodes, one target
+    pass of N + 1 tokens under the ancestor mask, the path kept) over the same prompt, each
+    after `args.warmup` untimed steps: what a tree costs per verify on this device (random
+    weights: its tau is the CPU bench's, bench.tree, or DDTree's)."""
+    from dflash_ext import DFlashProposer
+    from dflash_ext.decode.rollback import CacheRollback
+    from dflash_ext.decode.runner import TargetRunner
+    from dflash_ext.decode.step import DecodeState, OneRow, speculative_step
+    from dflash_ext.decode.tree import tree_step
+    from dflash_ext.sampling import Sampling
+
+    B, n, device = args.block, prompt.shape[1], prompt.device
+    runner = TargetRunner(target, drafter.config.target_layer_ids)
+    proposer = DFlashProposer(drafter, target, capacity=cache_len + 2 * max(budgets))
+    sampling = Sampling()  # greedy
+
+    def median_step(budget: int) -> float:
+        logits, hidden, cache = runner(prompt, None, last_logits_only=True)
+        width = budget + 1 if budget else B
+        state = DecodeState(OneRow(cache, CacheRollback(cache, width)), [0], [int(logits[0, -1].argmax())], [n])
+        proposer.reset(proposer.capacity)
+        proposer.accept(hidden, slice(0, n), torch.arange(n, device=device))
+        laps = []
+        for _ in range(args.warmup + args.steps):
+            timer = Timer(device)
+            if budget:
+                tree_step(runner, proposer, state, B - 1, budget, sampling)
+            else:
+                speculative_step(runner, proposer, state, B, sampling)
+            laps.append(timer.lap())
+        return ms(laps[args.warmup:])
+
+    chain = median_step(0)
+    rows = [dict(budget=N, pass_tokens=N + 1, step_ms=median_step(N)) for N in budgets]
+    for row in rows:
+        row["over_chain"] = row["step_ms"] / chain
+    return dict(chain_ms=chain, chain_pass_tokens=B, trees=rows)
 
 
 @torch.no_grad()
@@ -312,6 +361,14 @@ def report(results) -> str:
         lines.append(_common.format_table(c["speedup"], [("tau_name", "τ of", "{}"), ("tau", "τ", "{:.2f}")] +
                                           [(k, k, "{:.2f}x") for k in keys],
                                           f"# speedup(τ) = τ · t_target / t_step at context {c['context']}"))
+    trees = [dict(context=c["context"], **r) for c in results["contexts"] if c.get("tree")
+             for r in [dict(budget=0, pass_tokens=c["tree"]["chain_pass_tokens"], step_ms=c["tree"]["chain_ms"],
+                            over_chain=1.0)] + c["tree"]["trees"]]
+    if trees:
+        lines.append(_common.format_table(trees, [("context", "context", "{}"), ("budget", "tree nodes (0: chain)", "{}"),
+                                                  ("pass_tokens", "pass tokens", "{}"), ("step_ms", "step ms", "{:.2f}"),
+                                                  ("over_chain", "x chain step", "{:.2f}")],
+                                          "# tree steps: median ms per step by node budget (tau: bench.tree)"))
     if "oracle" in results:
         lines.append(f"# forced acceptance (oracle drafter): {results['oracle']}")
     if "batch" in results:
@@ -365,7 +422,8 @@ def main(argv=None) -> int:
             "ours": lambda p: time_our_step(target, drafter, p, False, args, rows(p)),
             "hf": lambda p: time_hf_step(target, drafter, p, args),
             "alone_static": lambda p: time_target_alone(target, p, True, args, rows(p)),
-            "ours_static": lambda p: time_our_step(target, drafter, p, True, args, rows(p))}
+            "ours_static": lambda p: time_our_step(target, drafter, p, True, args, rows(p)),
+            "tree": lambda p: time_tree_steps(target, drafter, p, args, rows(p))}
     prompts = [torch.randint(0, target.config.vocab_size, (1, c), generator=g).to(device) for c in args.contexts]
     results["contexts"] = [dict(context=c) for c in args.contexts]
     for key in (k for k in args.rows if k in runs):

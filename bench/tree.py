@@ -8,8 +8,10 @@ the chain's (greedy: they must be equal in float32).
     python -m bench.tree --tiny --out OUT              # a tiny random target (the smoke test)
     python -m bench.tree --temperature 0.7 --out OUT   # sampled: tau only
 
-Acceptance only, no timing: what a tree buys per target pass; whether it pays depends on the
-cost of a pass of N + 1 tokens against one of depth + 1 on the device.
+Tau is what a tree buys per target pass; whether it pays depends on the cost of a pass of
+N + 1 tokens against one of depth + 1 on the device: each run is also timed (tokens per second
+over all prompts, after an untimed warm-up of each way), beside the target alone
+(``target_generate``) in the same run, so the table's ratios compare like with like.
 """
 import argparse
 import os
@@ -29,20 +31,28 @@ def tau_chain_vs_tree(target, drafter, prompts, max_new_tokens: int = 64, depth=
     prompts whose tree output equals the chain's (greedy: all of them; at `temperature` > 0
     the chain's rule is rejection sampling of sampled drafts, the tree's sample-and-match,
     each run with a generator seeded `seed`: outputs differ, only tau compares)."""
-    from dflash_ext import spec_generate
+    from dflash_ext import spec_generate, target_generate
 
     depth = drafter.config.block_size - 1 if depth is None else depth
     sampled = dict(temperature=temperature, generator=torch.Generator().manual_seed(seed))
+    for budget in (0, *budgets):  # untimed warm-up of each way: first-call costs out of the timed runs
+        spec_generate(target, drafter, prompts[0], 8, block_size=depth + 1, tree_budget=budget, **sampled)
+    target_generate(target, prompts[0], 8, **sampled)
+    sampled["generator"].manual_seed(seed)
+    alone = [target_generate(target, p, max_new_tokens, stop_token_ids=stop_token_ids, **sampled) for p in prompts]
+    sampled["generator"].manual_seed(seed)
     chain = [spec_generate(target, drafter, p, max_new_tokens, block_size=depth + 1, stop_token_ids=stop_token_ids,
                            **sampled) for p in prompts]
 
     def summary(outs):
         steps = sum(len(o.acceptance_lengths) for o in outs)
         tokens = sum(len(o.tokens) for o in outs)
-        return dict(tau=tokens / max(1, steps), steps=steps, tokens=tokens)
+        seconds = sum(o.total_time for o in outs)
+        return dict(tau=tokens / max(1, steps), steps=steps, tokens=tokens, seconds=seconds,
+                    tok_s=tokens / max(seconds, 1e-9))
 
     result = dict(depth=depth, prompts=len(prompts), max_new_tokens=max_new_tokens, temperature=temperature,
-                  chain=dict(summary(chain), pass_tokens=depth + 1), trees=[])
+                  alone=summary(alone), chain=dict(summary(chain), pass_tokens=depth + 1), trees=[])
     log(f"chain (depth {depth}): tau {result['chain']['tau']:.3f}")
     for budget in budgets:
         sampled["generator"].manual_seed(seed)
@@ -57,11 +67,18 @@ def tau_chain_vs_tree(target, drafter, prompts, max_new_tokens: int = 64, depth=
 
 def report(result) -> str:
     greedy = not result["temperature"]  # sampled outputs are not compared: "-"
-    rows = [dict(kind="chain", nodes=result["depth"], pass_tokens=result["chain"]["pass_tokens"],
-                 tau=result["chain"]["tau"], equal=result["prompts"] if greedy else None)]
-    rows += [dict(kind="tree", nodes=r["budget"], pass_tokens=r["pass_tokens"], tau=r["tau"],
+    alone, chain = result["alone"]["tok_s"], result["chain"]["tok_s"]
+    rows = [dict(kind="target alone", nodes=0, pass_tokens=1, tau=1.0, tok_s=alone, vs_chain=alone / chain,
+                 vs_alone=1.0, equal=None),
+            dict(kind="chain", nodes=result["depth"], pass_tokens=result["chain"]["pass_tokens"],
+                 tau=result["chain"]["tau"], tok_s=chain, vs_chain=1.0, vs_alone=chain / alone,
+                 equal=result["prompts"] if greedy else None)]
+    rows += [dict(kind="tree", nodes=r["budget"], pass_tokens=r["pass_tokens"], tau=r["tau"], tok_s=r["tok_s"],
+                  vs_chain=r["tok_s"] / chain, vs_alone=r["tok_s"] / alone,
                   equal=r["equal"] if greedy else None) for r in result["trees"]]
-    cols = ["kind", "nodes", ("pass_tokens", "pass tokens", "{}"), ("tau", "tau", "{:.3f}"), "equal"]
+    cols = ["kind", "nodes", ("pass_tokens", "pass tokens", "{}"), ("tau", "tau", "{:.3f}"),
+            ("tok_s", "tok/s", "{:.1f}"), ("vs_chain", "x chain", "{:.2f}"), ("vs_alone", "x alone", "{:.2f}"),
+            "equal"]
     how = "greedy" if not result["temperature"] else f"T = {result['temperature']:g}"
     return _common.format_table(rows, cols, title=f"depth {result['depth']}, {result['prompts']} prompts, "
                                                   f"{result['max_new_tokens']} new tokens each ({how})")

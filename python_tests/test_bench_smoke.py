@@ -408,6 +408,12 @@ def test_gpu_e2e_small(tmp_path):
         assert r["dflash"]["rows_equal"] == r["alone"]["rows_equal"] == 3
         assert set(r["speedup_at_tau"]) == {"avg greedy", "MATH-500", "avg T=1"}
     assert "batched: speedup(τ)" in proc.stdout
+    tree = row["tree"]  # the tree row: a chain step and a step per node budget
+    assert tree["chain_ms"] > 0 and tree["chain_pass_tokens"] == 4
+    assert [r["budget"] for r in tree["trees"]] == [4, 8, 16, 32, 64]
+    for r in tree["trees"]:
+        assert r["pass_tokens"] == r["budget"] + 1 and r["over_chain"] == pytest.approx(r["step_ms"] / tree["chain_ms"])
+    assert "tree steps: median ms per step" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -452,8 +458,9 @@ def test_tree_quick(tmp_path):
     assert [r["budget"] for r in data["trees"]] == [2, 8]
     for row in data["trees"]:
         assert row["equal"] == 2 and row["tokens"] == 16 and row["pass_tokens"] == row["budget"] + 1
-        assert 1 <= row["tau"] <= 4
-    assert "pass tokens" in proc.stdout
+        assert 1 <= row["tau"] <= 4 and row["tok_s"] > 0
+    assert data["alone"]["tokens"] == 16 and data["alone"]["tok_s"] > 0  # timed in the same run
+    assert "pass tokens" in proc.stdout and "x alone" in proc.stdout
 
 
 def _fake_binary(folder, name, lines, code=0):

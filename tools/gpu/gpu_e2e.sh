@@ -14,7 +14,9 @@
 #      the budget's largest part; the JSON is rewritten after each row, so a run cut short
 #      keeps the rows before it;
 #   5. the batch sweep (bench.gpu_e2e --rows batch: DFlash and the target alone over 16
-#      prompts in batches of 1, 2, 4, 8, 16, each row checked; OUT_DIR/batch/gpu_e2e.json).
+#      prompts in batches of 1, 2, 4, 8, 16, each row checked; OUT_DIR/batch/gpu_e2e.json);
+#   6. the tree row (issue 66: the median step per tree node budget 4..64 beside the chain's;
+#      OUT_DIR/tree/gpu_e2e.json). Not yet run on a GPU.
 # Usage: tools/gpu/gpu_e2e.sh [OUT_DIR]   (default: $OUT, else ./gpu_e2e_out)
 # Every step logs to OUT_DIR/<step>.log, OUT_DIR/summary.txt has one line per step, the
 # results are OUT_DIR/gpu_e2e.json and .txt; the exit code is non-zero when a step failed.
@@ -63,5 +65,7 @@ step gpu_e2e 270 "$PY" -m bench.gpu_e2e --device cuda --out "$OUT_DIR" \
   --rows alone ours hf alone_static ours_static oracle
 # The batch sweep (DFlash and the target alone batched, 1..16 prompts; bench.batch), its own step and JSON.
 step gpu_batch 240 "$PY" -m bench.gpu_e2e --device cuda --rows batch --out "$OUT_DIR/batch"
+# The tree row (issue 66): a chain step and tree steps of 4..64 nodes per context, eager (OUT_DIR/tree/gpu_e2e.json).
+step gpu_tree 180 "$PY" -m bench.gpu_e2e --device cuda --rows tree --out "$OUT_DIR/tree"
 cat "$SUMMARY"
 exit "$failed"
