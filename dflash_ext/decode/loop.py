@@ -42,21 +42,19 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     """Speculative generation of up to `max_new_tokens` tokens after `input_ids` ([1, n] or a
     list): the loop around :func:`~.step.speculative_step`, which times and streams.
 
-    `drafter` is a :class:`~dflash_ext.model.drafter.DFlashDrafter` or a proposer object with
-    ``accept`` and ``propose`` (:class:`~dflash_ext.draft.proposer.Proposer`; one with ``reset`` is reset for each
-    generation, e.g. a :class:`~dflash_ext.draft.proposer.DFlashProposer` given again).
+    `drafter` is a :class:`~dflash_ext.model.drafter.DFlashDrafter` (its proposer kept on it
+    between generations: :func:`~dflash_ext.draft.proposer.kept_proposer`) or a proposer object
+    (:class:`~dflash_ext.draft.proposer.Proposer`; one with ``reset`` is reset per generation).
     `block_size`: the verify block (int), "auto" (:func:`~.autotune.choose_block_size`) or None
     (the drafter's). `on_tokens` receives each step's new tokens; `streamer` is a Hugging Face
     streamer (``put``/``end``, e.g. TextStreamer). `draft_window` caps every drafter layer's
     window (long contexts; the authors' --draft-sliding-window-size): per query on causal
     layers, the last N context tokens on bidirectional ones
-    (:func:`~dflash_ext.draft.cache.effective_windows`). `stream_linears`: the linear layers of
-    the target and the drafter run through skinny_linear where it streams
-    (:func:`~dflash_ext.ops.linear.streamed_linears`: the verify passes, and B = 1 when that is
-    the choice; False: F.linear everywhere). `static_cache`: the target's cache is a
-    transformers StaticCache of the prompt, the budget and one block (the rollback lowers its
-    length, :mod:`.rollback`), and on CUDA the verify passes of B tokens run compiled, captured
-    in CUDA graphs (:func:`~.runner.compiled_call`); on the CPU the same passes run eagerly.
+    (:func:`~dflash_ext.draft.cache.effective_windows`). `stream_linears`: the linear layers run
+    through skinny_linear where it streams (:func:`~dflash_ext.ops.linear.streamed_linears`;
+    False: F.linear). `static_cache`: a transformers StaticCache of the prompt, the budget and
+    one block (:mod:`.rollback`), the B-token verify passes compiled on CUDA (CUDA graphs,
+    :func:`~.runner.compiled_call`), eager on the CPU.
 
     `verify`: the verify rule at T > 0 (:mod:`.verify`): "rejection" (None: the default; the
     drafter's drafts sampled from its processed distribution, accepted with min(1, p/q)) or
@@ -69,11 +67,9 @@ def spec_generate(target, drafter, input_ids, max_new_tokens: int, temperature: 
     the match rule, exact at every temperature; what it takes: docs/decoding.md, "Tree verification").
 
     One prompt or many, one rule (:func:`~.batch.prompt_rows`; docs/decoding.md, "One prompt
-    or many"): a list or tuple of prompts (each a list of ints, an [n] or [1, n] tensor or numpy
-    array; their lengths may differ) returns a list of GenerationResult, one per prompt, in
-    order, even for a list of one; so does a [b, n] tensor with b > 1. One prompt (a flat list
-    of ints, an [n] tensor, or an [1, n] one: a tokenizer's ``return_tensors="pt"``) returns one
-    GenerationResult. A batch is decoded together (:func:`~.batch.batch_generate`: each row
+    or many"): a list or tuple of prompts (lists of ints, [n] or [1, n] tensors or arrays, of any
+    lengths), or a [b, n] tensor with b > 1, returns a list of GenerationResult, one per prompt,
+    even for a list of one; one prompt (a flat list of ints, an [n] or [1, n] tensor) one. A batch is decoded together (:func:`~.batch.batch_generate`: each row
     accepts its own drafts under the same `verify` rule, a finished row leaves the batch;
     full-attention targets only, else a NotImplementedError naming the family; a list of one
     runs the single-prompt loop). With a batch, `drafter` is a DFlashDrafter or a list of
