@@ -22,7 +22,7 @@ import torch
 
 from ..sampling import DraftDistribution, Sampling
 from .runner import TargetRunner
-from .step import DecodeState
+from .step import DecodeState, _no_clock
 from .tree_build import build_tree
 from .tree_verify import keep_path, tree_inputs, verify_tree
 
@@ -48,10 +48,6 @@ def tree_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     verify rule alone decides what is emitted)."""
     t = sampling.temperature if sampling.temperature > 0 else 1.0
     return (logits.double() / t).float().log_softmax(-1)
-
-
-def _no_clock(phase: str) -> None:
-    pass
 
 
 def tree_step(runner: TargetRunner, proposer, state: DecodeState, depth: int, budget: int, sampling: Sampling,

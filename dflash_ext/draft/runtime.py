@@ -273,10 +273,16 @@ class DraftRuntime:
         of :meth:`draft`'s sampled step (it ends at these logits)."""
         if self.cuda_graph:
             return self._replay(last_token, position, width, n, True)[1][0]
-        self.cover(position + width + 1)
-        ids = torch.full((1, width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0, 0] = last_token
-        return self.draft_logits(ids, position + torch.arange(width + 1, device=self.device)[None], n)[1][0]
+        return self.draft_logits(*self._blocks([last_token], [position], width), n)[1][0]
+
+    def _blocks(self, last_tokens: Sequence[int], positions: Sequence[int], width: int):
+        """(ids, positions) [rows, width + 1] of the blocks [last_tokens[i], MASK x width] at
+        ``positions[i] ..``, those positions covered first (from host numbers)."""
+        self.cover(max(positions) + width + 1)
+        ids = torch.full((len(last_tokens), width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor(list(last_tokens), dtype=torch.long, device=self.device)
+        pos = torch.tensor(list(positions), device=self.device)[:, None] + torch.arange(width + 1, device=self.device)
+        return ids, pos
 
     @torch.no_grad()
     def draft_rows(self, seqs: Sequence[int], last_tokens: Sequence[int], positions: Sequence[int], width: int,
@@ -286,10 +292,7 @@ class DraftRuntime:
         ``positions[i] .. positions[i] + width``, in one pass of the layers (eagerly: the captured
         steps are :meth:`draft`'s, one sequence); with `sampling` a :class:`~dflash_ext.sampling.Draft`
         of them and their q [len(seqs), n, V] (row i's q drawn from row i's logits)."""
-        self.cover(max(positions) + width + 1)
-        ids = torch.full((len(seqs), width + 1), self.config.mask_token_id, dtype=torch.long, device=self.device)
-        ids[:, 0] = torch.tensor(list(last_tokens), dtype=torch.long, device=self.device)
-        pos = torch.tensor(list(positions), device=self.device)[:, None] + torch.arange(width + 1, device=self.device)
+        ids, pos = self._blocks(last_tokens, positions, width)
         every = list(seqs) == list(range(len(self.cache.lengths)))
         which = None if every else torch.tensor(list(seqs), device=self.device)
         if sampling is None:
